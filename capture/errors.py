@@ -1,0 +1,39 @@
+"""Errors of the capture contract.
+
+Each one carries a message a user can act on; the capture layer turns every one of them into
+an incomplete rollout instead of a failed model call.
+"""
+
+from __future__ import annotations
+
+
+class TokenCaptureError(Exception):
+    """Base class of every tokcap capture error."""
+
+
+class SchemaVersionError(TokenCaptureError):
+    """A record was written by a newer tokcap than the one reading it."""
+
+
+class ExtractionError(TokenCaptureError):
+    """A served response does not carry token ids in a usable form."""
+
+
+class MissingTokenIdsError(ExtractionError):
+    """A served response carries no token ids at all."""
+
+
+class RolloutFrozenError(TokenCaptureError):
+    """A write reached a rollout that was already frozen (or dropped)."""
+
+
+class ConflictingEntryError(TokenCaptureError):
+    """The same model call id was put twice with different payloads."""
+
+
+class InvalidRolloutIdError(TokenCaptureError, ValueError):
+    """A rollout id does not match the pattern; ids are rejected, never rewritten."""
+
+
+class ConfigError(TokenCaptureError, ValueError):
+    """The token_id_capture configuration is invalid; raised at startup."""

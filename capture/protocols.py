@@ -1,0 +1,54 @@
+"""What a sink and a source must do; structural, so nobody has to inherit.
+
+A sink records calls while a rollout runs: ``put`` is durable before it returns, the same
+call id with the same payload is a no-op, a different payload fails and marks the rollout
+incomplete, and nothing succeeds after freeze. A source ends a rollout: ``freeze`` returns
+one atomic snapshot and blocks every later write; ``drop`` retires exactly that snapshot and
+leaves a tombstone so a late writer still sees the freeze.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from capture.records import TokenCaptureSnapshot
+
+
+@runtime_checkable
+class TokenSink(Protocol):
+    async def put(self, entry: Any) -> None: ...
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class IntentSink(Protocol):
+    """Optional extension: a durable intent recorded before the call is dispatched.
+
+    An intent without an entry at freeze time makes the snapshot incomplete. ``void_call``
+    resolves an intent whose call returned nothing to the harness (it does not mask).
+    """
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None: ...
+
+    async def void_call(self, rollout_id: str, model_call_id: str) -> None: ...
+
+
+@runtime_checkable
+class TokenSource(Protocol):
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot: ...
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+SINK_METHODS = ("put", "mark_incomplete", "close")
+SOURCE_METHODS = ("freeze", "drop", "close")
+
+
+def missing_methods(obj: Any, names: tuple[str, ...]) -> list[str]:
+    """Names of the required methods ``obj`` lacks or cannot call."""
+    return [name for name in names if not callable(getattr(obj, name, None))]

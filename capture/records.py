@@ -1,0 +1,115 @@
+"""The records of the capture contract: one entry per call, one snapshot per frozen rollout.
+
+An entry holds the exact ids the policy saw and sampled for one call. Unknown extra fields are
+kept, so a newer writer's additions survive a round trip through an older store. A reader
+refuses a record from a newer schema instead of guessing at it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from capture.errors import SchemaVersionError
+
+SCHEMA_VERSION = 1
+
+# The three arrays a token-bearing item carries in a served response.
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+class TokenEntry(BaseModel):
+    """The stored record of one call's tokens."""
+
+    model_config = ConfigDict(extra="allow", frozen=False)
+
+    schema_version: int = SCHEMA_VERSION
+    rollout_id: str
+    model_call_id: str
+    model: str = ""
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    routed_experts: Any | None = None
+    output_items: list[dict[str, Any]] = Field(default_factory=list)
+    token_item_index: int | None = None
+    created_at: float = Field(default_factory=time.time)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_schema(cls, value: int) -> int:
+        if value > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"entry has schema_version {value}, but this tokcap reads up to "
+                f"schema_version {SCHEMA_VERSION}; upgrade tokcap to read it"
+            )
+        if value < 1:
+            raise ValueError(f"schema_version must be >= 1, got {value}")
+        return value
+
+    @field_validator("model_call_id")
+    @classmethod
+    def _call_id_present(cls, value: str) -> str:
+        if not value:
+            raise ValueError("model_call_id must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TokenEntry:
+        if len(self.generation_log_probs) != len(self.generation_token_ids):
+            raise ValueError(
+                f"generation_log_probs has {len(self.generation_log_probs)} values but "
+                f"generation_token_ids has {len(self.generation_token_ids)}; they must match"
+            )
+        index = self.token_item_index
+        if index is not None and not 0 <= index < len(self.output_items):
+            raise ValueError(
+                f"token_item_index {index} is outside output_items "
+                f"(which has {len(self.output_items)} items)"
+            )
+        return self
+
+    @classmethod
+    def coerce(cls, record: Any) -> TokenEntry:
+        """Accept a TokenEntry, any object with its fields, or a mapping.
+
+        NeMo Gym's own entry objects are read through ``model_dump()`` or by attribute, so a
+        sink written against Gym's interfaces can be handed ours and the other way round.
+        """
+        if isinstance(record, cls):
+            return record
+        if isinstance(record, Mapping):
+            return cls.model_validate(dict(record))
+        dump = getattr(record, "model_dump", None)
+        if callable(dump):
+            return cls.model_validate(dump())
+        fields = {name: getattr(record, name) for name in cls.model_fields if hasattr(record, name)}
+        extra = getattr(record, "__dict__", {})
+        return cls.model_validate({**extra, **fields})
+
+    @property
+    def generated(self) -> int:
+        """How many tokens this call sampled."""
+        return len(self.generation_token_ids)
+
+    @property
+    def full_sequence(self) -> list[int]:
+        """Prompt followed by generation: what a child call's prompt extends."""
+        return [*self.prompt_token_ids, *self.generation_token_ids]
+
+
+@dataclass(frozen=True)
+class TokenCaptureSnapshot:
+    """One atomic view of a frozen rollout; ``(snapshot_id, version)`` names it for drop."""
+
+    rollout_id: str
+    entries: tuple[TokenEntry, ...] = ()
+    incomplete: bool = False
+    snapshot_id: str = ""
+    version: int = 0
+    # Why the rollout is incomplete (lost calls, intents without entries); evidence only.
+    incomplete_reasons: tuple[str, ...] = field(default=())

@@ -1,0 +1,46 @@
+"""The process-wide sink and source, installed once at startup.
+
+A model server installs the sink its config names; a trainer installs the source it reads
+through. Installing checks the structural protocol, so a wrong object fails at startup rather
+than on the first call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capture.errors import ConfigError
+from capture.protocols import SINK_METHODS, SOURCE_METHODS, missing_methods
+
+_installed: dict[str, Any] = {"sink": None, "source": None}
+
+
+def _install(kind: str, obj: Any, methods: tuple[str, ...]) -> Any:
+    if obj is not None:
+        missing = missing_methods(obj, methods)
+        if missing:
+            raise ConfigError(
+                f"{type(obj).__name__} cannot be installed as the token {kind}: "
+                f"it has no callable {', '.join(missing)}"
+            )
+    previous = _installed[kind]
+    _installed[kind] = obj
+    return previous
+
+
+def install_token_sink(sink: Any) -> Any:
+    """Install the process-wide sink (None uninstalls); returns the previous one."""
+    return _install("sink", sink, SINK_METHODS)
+
+
+def install_token_source(source: Any) -> Any:
+    """Install the process-wide source (None uninstalls); returns the previous one."""
+    return _install("source", source, SOURCE_METHODS)
+
+
+def installed_token_sink() -> Any:
+    return _installed["sink"]
+
+
+def installed_token_source() -> Any:
+    return _installed["source"]
