@@ -1,0 +1,1 @@
+"""Fixtures that build every store, so contract tests run once per store."""

@@ -1,0 +1,90 @@
+"""Real servers for tests: uvicorn apps on free 127.0.0.1 ports, and child processes.
+
+Every server started here is stopped by the same context manager, by the handle or PID it
+started, so a failing test never leaves a listener behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers (any status), or fail with what is known."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+@contextlib.contextmanager
+def serve_app(app: Any, *, ready_path: str = "/health", **config: Any) -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + ready_path)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def run_process(
+    args: list[str], *, ready_url: str | None = None, env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Iterator[subprocess.Popen]:
+    """Start a child process (``python -m ...`` style args allowed) and stop it by PID."""
+    if args and args[0] == "python":
+        args = [sys.executable, *args[1:]]
+    proc = subprocess.Popen(
+        args,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        if ready_url:
+            wait_http(ready_url, timeout=timeout, proc=proc)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
