@@ -1,0 +1,183 @@
+"""The shared entry codec: exact round trips, shared prompt blocks, the payload digest."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capture.codec import (
+    CODEC_VERSION,
+    DEFAULT_BLOCK_SIZE,
+    body_block_names,
+    decode_entry,
+    encode_entry,
+    entry_digest,
+    pack_ids,
+    prompt_blocks,
+    unpack_ids,
+)
+from capture.records import TokenEntry
+
+B = 8  # a small block size keeps the arithmetic readable
+
+
+def make_entry(prompt, generation=(5, 6), log_probs=(-0.5, -0.75), **fields):
+    return TokenEntry(
+        rollout_id="r-1",
+        model_call_id=fields.pop("model_call_id", "call-1"),
+        model="policy",
+        prompt_token_ids=list(prompt),
+        generation_token_ids=list(generation),
+        generation_log_probs=list(log_probs),
+        output_items=fields.pop(
+            "output_items", [{"type": "message", "content": [{"type": "output_text", "text": "ok"}]}]
+        ),
+        token_item_index=0,
+        **fields,
+    )
+
+
+def round_trip(entry, block_size=B):
+    encoded = encode_entry(entry, block_size)
+    return decode_entry(encoded.body, dict(encoded.blocks))
+
+
+def test_round_trip_exact_with_floats_and_extras():
+    log_probs = [-0.1, -1e-300, 5e-324 * -1, -math.inf, -123.456789012345678, 0.0]
+    entry = make_entry(
+        range(2 * B + 3),
+        generation=[0, 1, 2**32 - 1, 151_000, 7, 8],
+        log_probs=log_probs,
+        routed_experts=[[1, 2], [3, 4]],
+        harness="claude-code",
+        usage={"input_tokens": 19, "cache": None},
+    )
+    decoded = round_trip(entry)
+    assert decoded == entry
+    assert decoded.generation_log_probs == log_probs  # bit-exact, -inf included
+    assert decoded.model_extra == {"harness": "claude-code", "usage": {"input_tokens": 19, "cache": None}}
+    assert decoded.created_at == entry.created_at
+
+
+def test_round_trip_empty_prompt_and_generation():
+    entry = make_entry([], generation=[], log_probs=[])
+    encoded = encode_entry(entry, B)
+    assert encoded.blocks == ()
+    assert decode_entry(encoded.body, {}) == entry
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 2**32 - 1), max_size=40),
+    generated=st.lists(
+        st.tuples(st.integers(0, 2**32 - 1), st.floats(allow_nan=False, width=64)), max_size=20
+    ),
+    block_size=st.integers(1, 16),
+)
+def test_round_trip_property(prompt, generated, block_size):
+    entry = make_entry(prompt, [g for g, _ in generated], [p for _, p in generated])
+    assert round_trip(entry, block_size) == entry
+
+
+def test_blocks_hold_block_size_tokens():
+    prompt = list(range(100, 100 + 2 * B + 5))
+    blocks = prompt_blocks(prompt, B)
+    assert [len(unpack_ids(payload)) for _, payload in blocks] == [B, B, 5]
+    assert [t for _, payload in blocks for t in unpack_ids(payload)] == prompt
+    assert len({name for name, _ in blocks}) == 3
+    assert prompt_blocks(list(range(2 * B)), B)[-1][0] != prompt_blocks(list(range(2 * B + 1)), B)[-1][0]
+
+
+def test_default_block_size():
+    prompt = list(range(DEFAULT_BLOCK_SIZE + 1))
+    assert len(encode_entry(make_entry(prompt)).blocks) == 2
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(ValueError, match="block_size"):
+        prompt_blocks([1, 2], 0)
+
+
+def test_shared_prefixes_give_identical_block_names():
+    history = list(range(1, 3 * B + 1))  # three full blocks
+    first = encode_entry(make_entry(history[: 2 * B + 2], model_call_id="call-1"), B)
+    second = encode_entry(make_entry(history + [900, 901], model_call_id="call-2"), B)
+    assert first.block_names[:2] == second.block_names[:2]
+    assert first.block_names[2] != second.block_names[2]  # a partial block differs from a full one
+    assert body_block_names(first.body) == first.block_names
+    assert body_block_names(second.body) == second.block_names
+    # One rollout-wide block table decodes both entries.
+    table = dict(first.blocks) | dict(second.blocks)
+    assert len(table) == 2 + 1 + 2
+    assert decode_entry(second.body, table).prompt_token_ids == history + [900, 901]
+
+
+def test_same_tokens_after_different_prefix_have_different_names():
+    # Chained hashes: a block's name depends on everything before it, not only its own tokens.
+    tail = list(range(50, 50 + B))
+    a = prompt_blocks([1] * B + tail, B)
+    b = prompt_blocks([2] * B + tail, B)
+    assert a[1][1] == b[1][1] and a[1][0] != b[1][0]
+
+
+def test_digest_ignores_created_at():
+    entry = make_entry(range(20))
+    later = entry.model_copy(update={"created_at": entry.created_at + 60})
+    assert entry_digest(entry, B) == entry_digest(later, B)
+    assert encode_entry(entry, B).body != encode_entry(later, B).body  # the body keeps it
+
+
+def test_digest_same_for_entry_and_its_mapping():
+    entry = make_entry(range(20))
+    assert entry_digest(entry, B) == entry_digest(entry.model_dump(), B)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prompt_token_ids": [0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11]},  # inside the first block
+        {"prompt_token_ids": list(range(11))},  # one token shorter
+        {"prompt_token_ids": list(range(12)) + [0]},  # one token longer
+        {"generation_token_ids": [5, 7]},
+        {"generation_log_probs": [-0.5, -0.7500000000000001]},
+        {"output_items": [{"type": "message", "content": [{"type": "output_text", "text": "ok!"}]}]},
+        {"model": "other-policy"},
+        {"routed_experts": [[1]]},
+        {"note": "an extra field"},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_digest_changes_with_any_payload_change(change):
+    base = make_entry(range(12))
+    changed = TokenEntry.model_validate({**base.model_dump(), **change})
+    assert entry_digest(base, B) != entry_digest(changed, B)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 2**40])
+def test_ids_out_of_uint32_range_rejected(bad):
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        pack_ids([1, bad])
+    with pytest.raises(ValueError):
+        encode_entry(make_entry([1, 2, bad]), B)
+    with pytest.raises(ValueError):
+        encode_entry(make_entry([1, 2], generation=[bad], log_probs=[-1.0]), B)
+
+
+def test_missing_block_is_reported():
+    encoded = encode_entry(make_entry(range(3 * B)), B)
+    blocks = dict(encoded.blocks)
+    del blocks[encoded.block_names[1]]
+    with pytest.raises(ValueError, match=f"prompt block {encoded.block_names[1]}"):
+        decode_entry(encoded.body, blocks)
+
+
+def test_newer_codec_refused():
+    encoded = encode_entry(make_entry(range(5)), B)
+    body = msgpack.unpackb(encoded.body, raw=False)
+    body["codec"] = CODEC_VERSION + 1
+    with pytest.raises(ValueError, match=f"codec {CODEC_VERSION + 1}"):
+        decode_entry(msgpack.packb(body, use_bin_type=True), dict(encoded.blocks))
