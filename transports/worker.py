@@ -1,0 +1,322 @@
+"""The rebuild worker: jobs in, rebuilt records out, snapshots retired only after that.
+
+Per job: ``finalize_rollout_token_capture`` through the Redis source → publish the rebuilt
+record to the results stream, at most once per (rollout, snapshot id, version) → wait until
+that write is durable → retire the snapshot (only for a good build; masked or failed builds
+keep their evidence) → ``XACK``. Every step can be repeated after a crash: freeze is
+idempotent, the publish guard answers with the first result id, and drop of an already
+dropped snapshot is True. So a job of a killed worker is simply run again by whoever
+claims it (``XAUTOCLAIM`` after ``claim_idle_ms``).
+
+A job that fails ``max_attempts`` times, or that can never succeed (a malformed record),
+goes to the dead-letter stream with its error and is acked. One process runs
+``concurrency`` jobs at once as asyncio tasks; start more processes to scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from capture.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
+from transports.durability import Durability, check_durability
+from transports.queue import MalformedJobError, decode_job, stream_names
+from transports.redis import RedisTokenStore
+from transports.results import encode_result, ensure_group
+
+log = logging.getLogger("tokcap.worker")
+
+# Publish a result unless this (rollout, snapshot, version) was published before. On a repeat
+# the guard's TTL is refreshed: that write makes WAIT/WAITAOF on this connection also cover
+# the first publish, which a killed worker may never have seen made durable.
+PUBLISH_ONCE = """
+local existing = redis.call('GET', KEYS[1])
+if existing then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  return {0, existing}
+end
+local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+redis.call('SET', KEYS[1], id, 'PX', ARGV[1])
+return {1, id}
+"""
+
+
+class TransientJobError(Exception):
+    """A step failed in a way a later attempt may not; the job stays pending."""
+
+
+@dataclass
+class WorkerSettings:
+    """Everything a worker process needs; the CLI fills it from flags."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "tokcap"
+    group: str = "rebuild"
+    consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    concurrency: int = 4
+    claim_idle_ms: int = 60_000
+    max_attempts: int = 5
+    block_ms: int = 1000
+    durability: str = "fsync"
+    wait_timeout_ms: int = 5000
+    guard_ttl_s: int = 7 * 24 * 3600
+    jobs_stream: str | None = None  # default <key_prefix>:rebuild
+    results_stream: str | None = None  # default <key_prefix>:results
+    dead_stream: str | None = None  # default <key_prefix>:rebuild:dead
+    debug_delay_after_publish_ms: int = 0  # tests only: widen the publish → retire window
+
+    def __post_init__(self) -> None:
+        jobs, results, dead = stream_names(self.key_prefix)
+        self.jobs_stream = self.jobs_stream or jobs
+        self.results_stream = self.results_stream or results
+        self.dead_stream = self.dead_stream or dead
+        if self.concurrency < 1 or self.max_attempts < 1 or self.claim_idle_ms < 1:
+            raise ValueError("concurrency, max_attempts and claim_idle_ms must be >= 1")
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class RebuildWorker:
+    """One process's pool of rebuild tasks on the jobs stream."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.client = aioredis.Redis.from_url(settings.url)
+        self.source = RedisTokenStore(
+            url=settings.url, key_prefix=settings.key_prefix, durability=settings.durability
+        )
+        self.durability = Durability.parse(settings.durability)
+        self.errors_key = f"{settings.jobs_stream}:errors"  # job id -> last error
+        self.counts = {"done": 0, "published": 0, "retired": 0, "masked": 0, "dead": 0, "failed": 0}
+        self._stop = asyncio.Event()
+        self._in_flight: dict[asyncio.Task[None], str] = {}
+
+    def stop(self) -> None:
+        """Take no new jobs; ``run`` returns once the jobs in flight are finished."""
+        self._stop.set()
+
+    async def start(self) -> None:
+        """Check the server's durability and create the consumer group (idempotent)."""
+        self.durability = await check_durability(
+            self.client.execute_command, self.durability,
+            where=self.settings.url, wait_timeout_ms=self.settings.wait_timeout_ms,
+        )
+        await ensure_group(self.client, self.settings.jobs_stream, self.settings.group)
+
+    async def run(self) -> None:
+        """Process jobs until ``stop``; in-flight jobs always finish."""
+        await self.start()
+        claim_every = min(max(self.settings.claim_idle_ms / 2000, 0.05), 5.0)
+        next_claim = 0.0
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            while not self._stop.is_set():
+                free = self.settings.concurrency - len(self._in_flight)
+                if free <= 0:
+                    await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    jobs: list[tuple[str, Any, int]] = []
+                    if time.monotonic() >= next_claim:
+                        jobs = await self._claim_stale(free)
+                        next_claim = time.monotonic() + claim_every
+                    if not jobs:
+                        jobs = await self._read_new(free)
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    log.warning("cannot read jobs (%s); retrying in 1 s", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                for job_id, fields, deliveries in jobs:
+                    task = asyncio.create_task(self._run_job(job_id, fields, deliveries))
+                    self._in_flight[task] = job_id
+                    task.add_done_callback(self._in_flight.pop)
+            if self._in_flight:
+                log.info("stopping: finishing %d job(s) in flight", len(self._in_flight))
+                await asyncio.gather(*self._in_flight, return_exceptions=True)
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await self.close()
+
+    async def close(self) -> None:
+        await self.source.close()
+        await self.client.aclose()
+
+    async def _read_new(self, count: int) -> list[tuple[str, Any, int]]:
+        s = self.settings
+        reply = await self.client.xreadgroup(
+            s.group, s.consumer, {s.jobs_stream: ">"}, count=count, block=s.block_ms
+        )
+        entries = reply[0][1] if reply else []
+        return [(_text(job_id), fields, 1) for job_id, fields in entries]
+
+    async def _claim_stale(self, count: int) -> list[tuple[str, Any, int]]:
+        """Take over jobs another consumer left pending for ``claim_idle_ms``."""
+        s = self.settings
+        reply = await self.client.xautoclaim(
+            s.jobs_stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=count
+        )
+        claimed = [(_text(job_id), fields) for job_id, fields in reply[1]]
+        if not claimed:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for job_id, _ in claimed:
+                pipe.xpending_range(s.jobs_stream, s.group, min=job_id, max=job_id, count=1)
+            pending = await pipe.execute()
+        jobs = []
+        for (job_id, fields), info in zip(claimed, pending, strict=True):
+            deliveries = int(info[0]["times_delivered"]) if info else s.max_attempts + 1
+            log.info("claimed stale job %s (delivery %d)", job_id, deliveries)
+            jobs.append((job_id, fields, deliveries))
+        return jobs
+
+    async def _heartbeat(self) -> None:
+        """Reset the idle time of jobs in flight so a slow job is not taken over while alive."""
+        s = self.settings
+        while True:
+            await asyncio.sleep(max(s.claim_idle_ms / 3000, 0.02))
+            ids = list(self._in_flight.values())
+            if not ids:
+                continue
+            try:
+                await self.client.xclaim(
+                    s.jobs_stream, s.group, s.consumer, 0, ids, justid=True
+                )
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _run_job(self, job_id: str, fields: Any, deliveries: int) -> None:
+        s = self.settings
+        try:
+            if fields is None:
+                return  # deleted from the stream while pending; XAUTOCLAIM already dropped it
+            if deliveries > s.max_attempts:
+                last = await self.client.hget(self.errors_key, job_id)
+                error = _text(last) if last else "no error recorded: the worker holding it stopped"
+                await self._dead_letter(job_id, fields, f"gave up after {deliveries - 1} attempts; "
+                                        f"last error: {error}", deliveries)
+                return
+            await self.process(job_id, fields)
+        except MalformedJobError as exc:
+            await self._dead_letter(job_id, fields, str(exc), deliveries)
+        except Exception as exc:  # any other failure: keep the job pending, or give up
+            self.counts["failed"] += 1
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("job %s failed (attempt %d of %d): %s",
+                        job_id, deliveries, s.max_attempts, error)
+            try:
+                if deliveries >= s.max_attempts:
+                    await self._dead_letter(job_id, fields, error, deliveries)
+                else:
+                    await self.client.hset(self.errors_key, job_id, error)
+            except Exception as inner:
+                log.error("could not record the failure of job %s: %s", job_id, inner)
+
+    async def process(self, job_id: str, fields: Mapping[Any, Any]) -> None:
+        """Rebuild one job's rollout, publish it once, retire it, ack the job."""
+        s = self.settings
+        rollout_id, record = decode_job(fields)
+        built = await finalize_rollout_token_capture(record, self.source)
+        if not built.ok:
+            await self._raise_if_unreachable(built.error)
+        result_id, fresh = await self._publish(job_id, rollout_id, record, built)
+        if fresh:
+            self.counts["published"] += 1
+        if s.debug_delay_after_publish_ms:
+            await asyncio.sleep(s.debug_delay_after_publish_ms / 1000)
+        retired = False
+        if built.ok and not built.masked:
+            retired = await retire_rollout_token_capture(rollout_id, self.source, built)
+            self.counts["retired"] += int(retired)
+        else:
+            self.counts["masked"] += 1
+        await self._finish(job_id)
+        self.counts["done"] += 1
+        log.info(
+            "job %s: rollout %s snapshot %s v%s %s, result %s%s, %s",
+            job_id, rollout_id, built.snapshot_id or "-", built.version,
+            "masked" if built.masked or not built.ok else "ok",
+            result_id, "" if fresh else " (already published)",
+            "retired" if retired else "kept",
+        )
+
+    async def _raise_if_unreachable(self, error: Any) -> None:
+        """A build that failed because Redis is unreachable is retried, not published masked."""
+        try:
+            await self.client.ping()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise TransientJobError(f"Redis unreachable during the build ({error}): {exc}") from exc
+
+    async def _publish(
+        self, job_id: str, rollout_id: str, record: dict[str, Any], built: Any
+    ) -> tuple[str, bool]:
+        """XADD the result unless it was published before; returns (result id, fresh)."""
+        s = self.settings
+        # A build without a snapshot (it failed before freeze) is named by its job instead.
+        name = f"{built.snapshot_id}:{built.version}" if built.snapshot_id else f"job:{job_id}"
+        guard = f"{s.results_stream}:published:{rollout_id}:{name}"
+        fields = encode_result(
+            record, rollout_id=rollout_id, snapshot_id=built.snapshot_id or "",
+            version=built.version, ok=bool(built.ok), masked=bool(built.masked), job_id=job_id,
+        )
+        args: list[Any] = [s.guard_ttl_s * 1000]
+        for key, value in fields.items():
+            args += [key, value]
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.eval(PUBLISH_ONCE, 2, guard, s.results_stream, *args)
+            for command in self.durability.wait:
+                pipe.execute_command(*command)
+            replies = await pipe.execute()
+        self.durability.verify(replies[1:])
+        fresh, result_id = replies[0]
+        return _text(result_id), bool(fresh)
+
+    async def _finish(self, job_id: str) -> None:
+        """Ack and delete the job, and forget its errors, in one transaction."""
+        s = self.settings
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(s.jobs_stream, s.group, job_id)
+            pipe.xdel(s.jobs_stream, job_id)
+            pipe.hdel(self.errors_key, job_id)
+            await pipe.execute()
+
+    async def _dead_letter(self, job_id: str, fields: Any, error: str, deliveries: int) -> None:
+        s = self.settings
+        self.counts["dead"] += 1
+        log.error("job %s goes to %s: %s", job_id, s.dead_stream, error)
+        dead = {_text(key): value for key, value in (fields or {}).items()}
+        dead.update(job_id=job_id, error=error, attempts=str(deliveries),
+                    consumer=s.consumer, failed_at=str(time.time()))
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xadd(s.dead_stream, dead)
+            pipe.xack(s.jobs_stream, s.group, job_id)
+            pipe.xdel(s.jobs_stream, job_id)
+            pipe.hdel(self.errors_key, job_id)
+            await pipe.execute()
+
+
+async def run_worker(settings: WorkerSettings) -> dict[str, int]:
+    """Run one worker until SIGTERM or SIGINT; returns its counters."""
+    worker = RebuildWorker(settings)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, worker.stop)
+    try:
+        await worker.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    return worker.counts
