@@ -1,0 +1,454 @@
+"""RedisTokenStore: the capture contract on Redis, one hash per rollout.
+
+Every state change runs as an optimistic transaction on the rollout's hash: WATCH, read what
+decides, MULTI ... EXEC; a refused EXEC means another writer changed the rollout first, so the
+decision is made again on fresh state. Entries use the shared codec; a put sends only the
+prompt blocks the hash does not hold yet. Durability is proven once, before the first write,
+and every write waits for it where the server needs a wait (WAITAOF / WAIT).
+
+The same class is the sink a model server writes through (``RedisTokenSink``) and the source
+a trainer freezes and drops through (``RedisTokenSource``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from capture.codec import DEFAULT_BLOCK_SIZE, decode_entry, encode_entry
+from capture.errors import (
+    ConfigError,
+    ConflictingEntryError,
+    RolloutFrozenError,
+    TokenCaptureError,
+)
+from capture.records import TokenCaptureSnapshot, TokenEntry
+from capture.rollout_ids import validate_rollout_id
+from transports import redis_keys as k
+from transports.durability import Durability, check_durability
+from transports.redis_watch import Command, execute_raw, watching
+
+T = TypeVar("T")
+
+
+class RedisUnavailableError(TokenCaptureError, ConnectionError):
+    """Redis could not be reached within the bounded retries; nothing is assumed stored."""
+
+
+class ContentionError(TokenCaptureError):
+    """A write lost the WATCH race more times than allowed; it was not applied."""
+
+
+@dataclass
+class Plan:
+    """What one transaction decided: writes to commit, then a result or an error to raise."""
+
+    writes: list[Command] = field(default_factory=list)
+    result: Any = None
+    error: Exception | None = None
+
+
+def _int(value: bytes | None) -> int:
+    return int(value) if value else 0
+
+
+def _pairs(reply: Any) -> dict[bytes, bytes]:
+    if isinstance(reply, dict):
+        return dict(reply)
+    return dict(zip(reply[0::2], reply[1::2], strict=True))
+
+
+class RedisTokenStore:
+    """Token sink and source on Redis; see the module docstring for how it stays consistent."""
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        client: aioredis.Redis | None = None,
+        key_prefix: str = "tokcap",
+        durability: str = "fsync",
+        tombstone_ttl_s: float = 7 * 24 * 3600,
+        socket_timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+        wait_timeout_ms: int = 1000,
+        max_retries: int = 3,
+        max_watch_retries: int = 200,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if (url is None) == (client is None):
+            raise ConfigError("RedisTokenStore needs exactly one of url= or client=")
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"url must start with redis://, rediss:// or unix://, got {url!r}")
+        if tombstone_ttl_s <= 0:
+            raise ConfigError("tombstone_ttl_s must be > 0")
+        if not key_prefix or "{" in key_prefix or "}" in key_prefix:
+            raise ConfigError("key_prefix must be non-empty and contain no braces")
+        self._url = url
+        self._client = client
+        self._owns_client = client is None
+        self.key_prefix = key_prefix
+        self._chosen = Durability.parse(durability)
+        self.durability: Durability | None = None  # set once proven against the server
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self._socket_timeout_s = socket_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._wait_timeout_ms = wait_timeout_ms
+        self._max_retries = max_retries
+        self._max_watch_retries = max_watch_retries
+        self._block_size = block_size
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    # -- connection and start-up ---------------------------------------------------------
+
+    @property
+    def where(self) -> str:
+        """The server, for messages; never the password."""
+        if self._client is None:
+            return "redis (not connected yet)"
+        kwargs = self._client.connection_pool.connection_kwargs
+        if "path" in kwargs:
+            return f"redis at {kwargs['path']}"
+        return f"redis at {kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+    def _make_client(self) -> aioredis.Redis:
+        # Retries are ours (bounded, per operation); the client's own would hide outages.
+        return aioredis.Redis.from_url(
+            self._url,
+            socket_timeout=self._socket_timeout_s,
+            socket_connect_timeout=self._connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    async def check(self) -> Durability:
+        """Connect and prove the durability guarantee; runs by itself before the first write."""
+        if self._closed:
+            raise TokenCaptureError("this RedisTokenStore is closed")
+        if self.durability is None:
+            async with self._lock:
+                if self.durability is None:
+                    if self._client is None:
+                        self._client = self._make_client()
+                    pool = self._client.connection_pool
+
+                    async def execute(*args: Any) -> Any:
+                        return await execute_raw(pool, *args)
+
+                    self.durability = await self._retrying(
+                        lambda: check_durability(
+                            execute,
+                            self._chosen,
+                            where=self.where,
+                            wait_timeout_ms=self._wait_timeout_ms,
+                        )
+                    )
+        return self.durability
+
+    start = check
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client and self._client is not None:
+            await self._client.aclose()
+
+    async def _retrying(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run ``operation``; on a connection failure retry it a bounded number of times.
+
+        Every operation here is safe to repeat: a put whose EXEC landed but whose reply was
+        lost finds its own digest on the retry and returns as a no-op.
+        """
+        last: Exception | None = None
+        for attempt in range(self._max_retries + 1):
+            try:
+                return await operation()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                last = exc
+                if attempt < self._max_retries:
+                    await asyncio.sleep(min(0.05 * 2**attempt, 0.5))
+        raise RedisUnavailableError(
+            f"{self.where} unreachable after {self._max_retries + 1} attempts: {last}"
+        ) from last
+
+    async def _transact(
+        self, rollout_id: str, reads: Callable[[str], Sequence[Command]],
+        decide: Callable[[str, list[Any]], Plan],
+    ) -> Any:
+        """WATCH the rollout, read, decide, and commit the decision atomically."""
+        durability = await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+
+        async def attempt() -> Plan | None:
+            async with watching(self._client.connection_pool, key) as watch:
+                plan = decide(key, await watch.read(*reads(key)))
+                if not plan.writes:
+                    return plan
+                committed = await watch.commit(plan.writes, after=durability.wait)
+            if committed is None:
+                # Lost the race: another writer changed this rollout after our WATCH, so
+                # what we decided on is stale. Nothing was applied; read and decide again.
+                return None
+            durability.verify(committed[1])
+            return plan
+
+        for _ in range(self._max_watch_retries):
+            plan = await self._retrying(attempt)
+            if plan is not None:
+                if plan.error is not None:
+                    raise plan.error
+                return plan.result
+            await asyncio.sleep(0)
+        raise ContentionError(
+            f"rollout {rollout_id}: gave up after {self._max_watch_retries} conflicting writes"
+        )
+
+    # -- sink ----------------------------------------------------------------------------
+
+    async def put(self, entry: Any) -> None:
+        """Store one call's entry, durably; idempotent for the same payload."""
+        entry = TokenEntry.coerce(entry)
+        encoded = encode_entry(entry, self._block_size)
+        call_id = encoded.model_call_id
+        digest = encoded.digest.encode()
+
+        def reads(key: str) -> list[Command]:
+            held = [k.field(k.HELD, name) for name in encoded.block_names]
+            fields = [k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), *held]
+            return [("HMGET", key, *fields)]
+
+        def decide(key: str, replies: list[Any]) -> Plan:
+            version, frozen, stored, *held = replies[0]
+            if frozen == b"1":
+                return Plan(error=RolloutFrozenError(
+                    f"rollout {entry.rollout_id} is frozen; call {call_id} came too late"
+                ))
+            if stored == digest:
+                return Plan()  # the same payload again: already durable, nothing to do
+            if stored is not None:
+                mark = k.field(k.MARK, call_id)
+                return Plan(
+                    writes=[("HSET", key, k.INCOMPLETE, 1, mark, "conflicting payload",
+                             k.VERSION, _int(version) + 1)],
+                    error=ConflictingEntryError(
+                        f"rollout {entry.rollout_id}: call {call_id} was already stored with "
+                        "a different payload; the rollout is now marked incomplete"
+                    ),
+                )
+            fields: list[Any] = [k.VERSION, _int(version) + 1,
+                                 k.field(k.ENTRY, call_id), encoded.body,
+                                 k.field(k.DIGEST, call_id), digest]
+            for (name, data), present in zip(encoded.blocks, held, strict=True):
+                if present is None:  # only blocks the hash lacks cross the wire
+                    fields += [k.field(k.BLOCK, name), data, k.field(k.HELD, name), b""]
+            return Plan(writes=[("HSET", key, *fields)])
+
+        await self._transact(entry.rollout_id, reads, decide)
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Durably note a lost call; allowed after freeze and drop (it advances the version)."""
+
+        def decide(key: str, replies: list[Any]) -> Plan:
+            (version,) = replies[0]
+            mark = k.field(k.MARK, model_call_id)
+            return Plan(writes=[("HSET", key, k.INCOMPLETE, 1, mark, "marked incomplete",
+                                 k.VERSION, _int(version) + 1)])
+
+        await self._transact(rollout_id, lambda key: [("HMGET", key, k.VERSION)], decide)
+
+    async def _intent(self, rollout_id: str, model_call_id: str, value: bytes) -> None:
+        if not isinstance(model_call_id, str) or not model_call_id:
+            raise ValueError("model_call_id must be a non-empty string")
+        intent = k.field(k.INTENT, model_call_id)
+
+        def decide(key: str, replies: list[Any]) -> Plan:
+            version, frozen, current = replies[0]
+            if frozen == b"1":
+                return Plan(error=RolloutFrozenError(
+                    f"rollout {rollout_id} is frozen; intent of call {model_call_id} is too late"
+                ))
+            if current == value:
+                return Plan()
+            return Plan(writes=[("HSET", key, intent, value, k.VERSION, _int(version) + 1)])
+
+        await self._transact(
+            rollout_id, lambda key: [("HMGET", key, k.VERSION, k.FROZEN, intent)], decide
+        )
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Durable intent before dispatch: without an entry at freeze, the rollout is incomplete."""
+        await self._intent(rollout_id, model_call_id, k.INTENT_OPEN)
+
+    async def void_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Resolve the intent of a call that returned nothing (not a loss)."""
+        await self._intent(rollout_id, model_call_id, k.INTENT_VOID)
+
+    # -- source --------------------------------------------------------------------------
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Stop all writes and return one atomic snapshot; idempotent while nothing changes."""
+
+        def decide(key: str, replies: list[Any]) -> Plan:
+            fields = _pairs(replies[0])
+            state = {name: fields.get(name.encode()) for name in k.STATE_FIELDS}
+            if state[k.FROZEN] == b"1":
+                return Plan(result=(fields, _int(state[k.VERSION]), state[k.SNAPSHOT_ID]))
+            snapshot_id = (state[k.SNAPSHOT_ID] or uuid.uuid4().hex.encode())
+            version = _int(state[k.VERSION]) + 1
+            writes = [("HSET", key, k.FROZEN, 1, k.SNAPSHOT_ID, snapshot_id, k.VERSION, version)]
+            return Plan(writes=writes, result=(fields, version, snapshot_id))
+
+        fields, version, snapshot_id = await self._transact(
+            rollout_id, lambda key: [("HGETALL", key)], decide
+        )
+        return _snapshot(rollout_id, fields, version, snapshot_id.decode())
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """Retire exactly this snapshot, keeping a tombstone; False if anything changed."""
+        names = (k.VERSION, k.FROZEN, k.SNAPSHOT_ID, k.RETIRED, k.INCOMPLETE, k.RETIRED_AT)
+
+        def decide(key: str, replies: list[Any]) -> Plan:
+            current, frozen, stored_id, retired, incomplete, _ = replies[0]
+            same = (
+                frozen == b"1"
+                and stored_id is not None
+                and stored_id.decode() == snapshot_id
+                and _int(current) == version
+            )
+            if not same:
+                return Plan(result=False)
+            if retired == b"1":
+                return Plan(result=True)  # this very snapshot was already retired
+            tombstone = [k.VERSION, version, k.FROZEN, 1, k.SNAPSHOT_ID, snapshot_id,
+                         k.INCOMPLETE, _int(incomplete), k.RETIRED, 1, k.RETIRED_AT, time.time()]
+            ttl_ms = max(1, int(self.tombstone_ttl_s * 1000))
+            writes = [("DEL", key), ("HSET", key, *tombstone), ("PEXPIRE", key, ttl_ms)]
+            return Plan(writes=writes, result=True)
+
+        return await self._transact(rollout_id, lambda key: [("HMGET", key, *names)], decide)
+
+    # -- administration ------------------------------------------------------------------
+
+    async def delete(self, rollout_id: str) -> None:
+        """Remove everything of one rollout, tombstone included (administrative)."""
+        await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+        await self._retrying(lambda: execute_raw(self._client.connection_pool, "DEL", key))
+
+    async def sweep_tombstones(self, older_than_s: float | None = None) -> int:
+        """Delete tombstones retired more than ``older_than_s`` ago (default: the TTL)."""
+        await self.check()
+        limit = self.tombstone_ttl_s if older_than_s is None else older_than_s
+        pool = self._client.connection_pool
+        pattern = k.rollout_pattern(self.key_prefix)
+        swept, cursor = 0, b"0"
+        while True:
+            cursor, keys = await self._retrying(
+                lambda c=cursor: execute_raw(pool, "SCAN", c, "MATCH", pattern, "COUNT", 500)
+            )
+            for key in keys:
+                rollout_id = k.rollout_id_of(self.key_prefix, key.decode())
+                if rollout_id and await self._sweep_one(rollout_id, limit):
+                    swept += 1
+            if cursor in (b"0", 0):
+                return swept
+
+    async def _sweep_one(self, rollout_id: str, older_than_s: float) -> bool:
+        def decide(key: str, replies: list[Any]) -> Plan:
+            retired, retired_at = replies[0]
+            if retired != b"1" or time.time() - float(retired_at or 0) < older_than_s:
+                return Plan(result=False)
+            return Plan(writes=[("DEL", key)], result=True)
+
+        return await self._transact(
+            rollout_id, lambda key: [("HMGET", key, k.RETIRED, k.RETIRED_AT)], decide
+        )
+
+    async def inspect(self, rollout_id: str) -> dict[str, Any]:
+        """A summary of one rollout for operators; reads only."""
+        await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+        fields = _pairs(
+            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
+        )
+        return _summary(rollout_id, fields)
+
+
+def _split(fields: dict[bytes, bytes]) -> dict[str, dict[str, bytes]]:
+    kinds: dict[str, dict[str, bytes]] = {kind: {} for kind in (k.ENTRY, k.INTENT, k.MARK, k.BLOCK)}
+    for name, value in fields.items():
+        kind, rest = k.split_field(name)
+        if kind in kinds:
+            kinds[kind][rest] = value
+    return kinds
+
+
+def _snapshot(
+    rollout_id: str, fields: dict[bytes, bytes], version: int, snapshot_id: str
+) -> TokenCaptureSnapshot:
+    kinds = _split(fields)
+    bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
+    entries = tuple(decode_entry(bodies[call_id], blocks) for call_id in sorted(bodies))
+    reasons = [f"call {call_id or '(rollout)'}: {reason.decode()}"
+               for call_id, reason in sorted(kinds[k.MARK].items())]
+    pending = sorted(call_id for call_id, value in kinds[k.INTENT].items()
+                     if value == k.INTENT_OPEN and call_id not in bodies)
+    reasons += [f"call {call_id}: intent without entry" for call_id in pending]
+    incomplete = fields.get(k.INCOMPLETE.encode()) == b"1" or bool(pending)
+    return TokenCaptureSnapshot(
+        rollout_id=rollout_id,
+        entries=entries,
+        incomplete=incomplete,
+        snapshot_id=snapshot_id,
+        version=version,
+        incomplete_reasons=tuple(reasons),
+    )
+
+
+def _summary(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
+    kinds = _split(fields)
+    bodies = kinds[k.ENTRY]
+    pending = [c for c, v in kinds[k.INTENT].items() if v == k.INTENT_OPEN and c not in bodies]
+    prompt_max, generated = 0, 0
+    for body in bodies.values():
+        data = msgpack.unpackb(body, raw=False)
+        prompt_max = max(prompt_max, data["prompt_len"])
+        generated += len(data["generation"]) // 4
+    retired = fields.get(k.RETIRED.encode()) == b"1"
+    if not fields:
+        state = "absent"
+    elif retired:
+        state = "retired"
+    elif fields.get(k.FROZEN.encode()) == b"1":
+        state = "frozen"
+    else:
+        state = "open"
+    snapshot_id = fields.get(k.SNAPSHOT_ID.encode())
+    return {
+        "rollout_id": rollout_id,
+        "state": state,
+        "calls": len(bodies),
+        "pending_intents": len(pending),
+        "incomplete": fields.get(k.INCOMPLETE.encode()) == b"1" or bool(pending),
+        "version": _int(fields.get(k.VERSION.encode())),
+        "snapshot_id": snapshot_id.decode() if snapshot_id else "",
+        "prompt_tokens_max": prompt_max,
+        "generated_tokens": generated,
+        "tombstone": retired,
+    }
+
+
+RedisTokenSink = RedisTokenStore
+RedisTokenSource = RedisTokenStore
