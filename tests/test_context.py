@@ -1,0 +1,263 @@
+"""The capture context of one call, on the real file store.
+
+Capture never fails the model call: a response without ids, an extraction error or a failed
+put marks the rollout incomplete through the sink instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from capture.context import (
+    begin_call,
+    capture_call,
+    capture_tokens,
+    current_call,
+    void_call,
+)
+from capture.errors import RolloutFrozenError
+from capture.store import TokenCaptureStore
+
+
+def served(prompt, generation, text="ok"):
+    """A Responses-shaped served response carrying the ids on its message item."""
+    return {
+        "model": "policy",
+        "output": [
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text}],
+                "prompt_token_ids": list(prompt),
+                "generation_token_ids": list(generation),
+                "generation_log_probs": [-0.5] * len(generation),
+            }
+        ],
+    }
+
+
+@pytest.fixture
+async def store(tmp_path):
+    store = TokenCaptureStore(tmp_path / "captures")
+    yield store
+    await store.close()
+
+
+class FailingPutSink:
+    """A sink whose put always fails (say, a full disk); lost calls reach the real store."""
+
+    def __init__(self, store: TokenCaptureStore) -> None:
+        self.store = store
+        self.puts = 0
+
+    async def put(self, entry):
+        self.puts += 1
+        raise OSError(28, "No space left on device")
+
+    async def mark_incomplete(self, rollout_id, model_call_id=""):
+        await self.store.mark_incomplete(rollout_id, model_call_id)
+
+    async def close(self):
+        return None
+
+
+class BrokenSink:
+    """A sink that fails at everything, including marking a loss."""
+
+    async def put(self, entry):
+        raise ConnectionError("store unreachable")
+
+    async def mark_incomplete(self, rollout_id, model_call_id=""):
+        raise ConnectionError("store unreachable")
+
+    async def begin_call(self, rollout_id, model_call_id):
+        raise ConnectionError("store unreachable")
+
+    async def void_call(self, rollout_id, model_call_id):
+        raise ConnectionError("store unreachable")
+
+    async def close(self):
+        return None
+
+
+class NoIntentSink:
+    """A sink without the optional intent extension, forwarding to the real store."""
+
+    def __init__(self, store: TokenCaptureStore) -> None:
+        self.store = store
+
+    async def put(self, entry):
+        await self.store.put(entry)
+
+    async def mark_incomplete(self, rollout_id, model_call_id=""):
+        await self.store.mark_incomplete(rollout_id, model_call_id)
+
+    async def close(self):
+        return None
+
+
+async def test_untagged_traffic_does_nothing(store):
+    assert current_call() is None
+    assert await capture_tokens(served([1, 2], [3])) is None
+    await begin_call()
+    await void_call()
+    assert await store.rollouts() == []
+
+
+async def test_capture_puts_the_entry(store):
+    async with capture_call("7-0", store, model_call_id="call-1") as call:
+        assert current_call() is call
+        entry = await capture_tokens(served([1, 2, 3], [4, 5], text="hello"))
+    assert current_call() is None
+    assert entry is not None and call.entry is entry and call.done
+    assert entry.rollout_id == "7-0" and entry.model_call_id == "call-1"
+    snapshot = await store.freeze("7-0")
+    assert not snapshot.incomplete
+    assert [e.model_call_id for e in snapshot.entries] == ["call-1"]
+    stored = snapshot.entries[0]
+    assert stored.prompt_token_ids == [1, 2, 3] and stored.generation_token_ids == [4, 5]
+    assert stored.output_items[0]["content"][0]["text"] == "hello"
+
+
+async def test_fresh_call_ids_and_extra_fields(store):
+    async with capture_call("7-1", store) as first:
+        await capture_tokens(served([1], [2]), dialect="messages")
+    async with capture_call("7-1", store) as second:
+        await capture_tokens(served([1, 2, 9], [3]))
+    assert first.model_call_id != second.model_call_id
+    assert first.model_call_id.startswith("call-")
+    snapshot = await store.freeze("7-1")
+    assert len(snapshot.entries) == 2
+    by_id = {e.model_call_id: e for e in snapshot.entries}
+    assert by_id[first.model_call_id].model_extra == {"dialect": "messages"}
+
+
+async def test_second_capture_in_one_call_is_a_no_op(store):
+    async with capture_call("7-2", store, model_call_id="c") as call:
+        first = await capture_tokens(served([1], [2]))
+        again = await capture_tokens(served([1], [99]))
+    assert again is first is call.entry
+    snapshot = await store.freeze("7-2")
+    assert [e.generation_token_ids for e in snapshot.entries] == [[2]]
+
+
+async def test_response_without_ids_marks_incomplete(store):
+    async with capture_call("8-0", store) as call:
+        result = await capture_tokens({"output": [{"type": "message", "content": []}]})
+    assert result is None
+    assert call.incomplete and "no usable token ids" in call.error
+    snapshot = await store.freeze("8-0")
+    assert snapshot.incomplete and snapshot.entries == ()
+
+
+async def test_extraction_error_marks_incomplete(store):
+    response = served([1], [2])
+    response["output"].append(dict(response["output"][0]))  # two carriers
+    async with capture_call("8-1", store) as call:
+        assert await capture_tokens(response) is None
+    assert call.incomplete
+    assert (await store.freeze("8-1")).incomplete
+
+
+async def test_failed_put_marks_incomplete_and_never_raises(store):
+    sink = FailingPutSink(store)
+    async with capture_call("8-2", sink, model_call_id="c") as call:
+        assert await capture_tokens(served([1], [2])) is None
+    assert sink.puts == 1
+    assert call.incomplete and "OSError" in call.error
+    snapshot = await store.freeze("8-2")
+    assert snapshot.incomplete and snapshot.entries == ()
+
+
+async def test_even_a_sink_that_cannot_mark_a_loss_does_not_fail_the_call():
+    sink = BrokenSink()
+    async with capture_call("8-3", sink) as call:
+        await begin_call()
+        assert await capture_tokens(served([1], [2])) is None
+        await void_call()
+    assert call.incomplete and not call.intent_recorded
+
+
+async def test_put_after_freeze_marks_incomplete(store):
+    await store.freeze("8-4")
+    async with capture_call("8-4", store) as call:
+        assert await capture_tokens(served([1], [2])) is None
+    assert call.incomplete and "RolloutFrozenError" in call.error
+    info = await store.inspect("8-4")
+    assert info["incomplete"] is True and info["calls"] == 0
+
+
+async def test_intent_then_entry_is_complete(store):
+    async with capture_call("9-0", store, model_call_id="c") as call:
+        await begin_call()
+        assert call.intent_recorded
+        assert (await store.inspect("9-0"))["pending_intents"] == 1
+        await capture_tokens(served([1], [2]))
+    snapshot = await store.freeze("9-0")
+    assert not snapshot.incomplete and len(snapshot.entries) == 1
+
+
+async def test_intent_without_entry_makes_the_snapshot_incomplete(store):
+    async with capture_call("9-1", store, model_call_id="lost") as call:
+        await begin_call()
+        # The server died before the reply: nothing captured, nothing voided.
+    assert call.intent_recorded and not call.done
+    snapshot = await store.freeze("9-1")
+    assert snapshot.incomplete and snapshot.entries == ()
+
+
+async def test_void_call_resolves_the_intent(store):
+    async with capture_call("9-2", store, model_call_id="cancelled") as call:
+        await begin_call()
+        await void_call()
+    assert call.voided and not call.incomplete
+    snapshot = await store.freeze("9-2")
+    assert not snapshot.incomplete and snapshot.entries == ()
+    assert (await store.inspect("9-2"))["pending_intents"] == 0
+
+
+async def test_void_after_capture_changes_nothing(store):
+    async with capture_call("9-3", store) as call:
+        await begin_call()
+        await capture_tokens(served([1], [2]))
+        await void_call()
+    assert not call.voided
+    snapshot = await store.freeze("9-3")
+    assert not snapshot.incomplete and len(snapshot.entries) == 1
+
+
+async def test_intent_after_freeze_marks_incomplete(store):
+    await store.freeze("9-4")
+    async with capture_call("9-4", store) as call:
+        await begin_call()
+    assert call.incomplete and not call.intent_recorded
+    with pytest.raises(RolloutFrozenError):
+        await store.begin_call("9-4", "direct")
+
+
+async def test_sink_without_intents(store):
+    sink = NoIntentSink(store)
+    async with capture_call("9-5", sink) as call:
+        await begin_call()
+        assert not call.intent_recorded
+        await void_call()
+    assert call.voided and not call.incomplete
+    assert (await store.inspect("9-5"))["state"] == "absent"
+
+
+async def test_concurrent_calls_keep_their_own_context(store):
+    async def one(rollout_id: str, token: int) -> str:
+        async with capture_call(rollout_id, store) as call:
+            await asyncio.sleep(0)
+            await capture_tokens(served([token], [token + 1]))
+            assert current_call() is call
+            return call.model_call_id
+
+    ids = await asyncio.gather(*(one(f"10-{i}", i) for i in range(6)))
+    assert len(set(ids)) == 6
+    for i in range(6):
+        snapshot = await store.freeze(f"10-{i}")
+        assert [e.prompt_token_ids for e in snapshot.entries] == [[i]]
+        assert snapshot.entries[0].model_call_id == ids[i]
