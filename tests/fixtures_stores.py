@@ -1,1 +1,121 @@
-"""Fixtures that build every store, so contract tests run once per store."""
+"""Fixtures that build every store, so contract tests run once per store.
+
+Adding a store kind means adding one async factory to ``STORE_FACTORIES``; the ``store``
+fixture is parametrized over its keys. A factory gets the pytest ``request`` (to ask for
+other fixtures, such as a private redis-server) and a fresh ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capture.records import TokenEntry
+from capture.store import TokenCaptureStore
+
+StoreFactory = Callable[[pytest.FixtureRequest, Path], Awaitable[Any]]
+
+
+async def _file_store(request: pytest.FixtureRequest, tmp_path: Path) -> TokenCaptureStore:
+    return TokenCaptureStore(tmp_path / "captures")
+
+
+STORE_FACTORIES: dict[str, StoreFactory] = {
+    "file": _file_store,
+}
+
+
+@pytest.fixture(params=list(STORE_FACTORIES))
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A fresh, empty store of each kind; closed after the test."""
+    made = await STORE_FACTORIES[request.param](request, tmp_path)
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+_call_numbers = itertools.count()
+
+
+def make_token_entry(
+    rollout_id: str = "rollout-1",
+    model_call_id: str | None = None,
+    prompt: list[int] | None = None,
+    generation: list[int] | None = None,
+    log_probs: list[float] | None = None,
+    **extra: Any,
+) -> TokenEntry:
+    """A valid entry; unspecified arrays are small and distinct per call."""
+    number = next(_call_numbers)
+    model_call_id = model_call_id or f"call-{number:06d}"
+    if prompt is None:
+        prompt = [1, 2, 3, 100 + number % 1000]
+    if generation is None:
+        generation = [7, 8, 9 + number % 1000]
+    if log_probs is None:
+        log_probs = [-0.125 * (i + 1) for i in range(len(generation))]
+    fields: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "model_call_id": model_call_id,
+        "model": "test-policy",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": log_probs,
+        "output_items": [
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": f"answer {model_call_id}"}]}
+        ],
+        "token_item_index": 0,
+    }
+    fields.update(extra)
+    return TokenEntry(**fields)
+
+
+@pytest.fixture
+def make_entry() -> Callable[..., TokenEntry]:
+    """Factory of valid entries: ``make_entry(rollout_id, model_call_id, prompt=..., ...)``."""
+    return make_token_entry
+
+
+def growing_rollout(
+    rollout_id: str,
+    turns: int,
+    *,
+    system_tokens: int = 2000,
+    generated_per_turn: int = 200,
+    tool_tokens_per_turn: int = 300,
+    vocab: int = 151_000,
+    seed: int = 0,
+) -> list[TokenEntry]:
+    """An agent-like rollout: each call's prompt extends the previous prompt + generation.
+
+    Deterministic for a given seed, so a child process and the test can build the same one.
+    """
+    rng = random.Random(f"{seed}-{rollout_id}")
+    context = [rng.randrange(vocab) for _ in range(system_tokens)]
+    entries = []
+    for turn in range(turns):
+        generation = [rng.randrange(vocab) for _ in range(generated_per_turn)]
+        log_probs = [-rng.random() * 5 for _ in range(generated_per_turn)]
+        entries.append(
+            TokenEntry(
+                rollout_id=rollout_id,
+                model_call_id=f"turn-{turn:05d}",
+                model="test-policy",
+                prompt_token_ids=list(context),
+                generation_token_ids=generation,
+                generation_log_probs=log_probs,
+                output_items=[{"type": "function_call", "name": "bash", "call_id": f"t{turn}",
+                               "arguments": "{}"}],
+                token_item_index=0,
+                created_at=1_700_000_000.0 + turn,
+            )
+        )
+        context += generation + [rng.randrange(vocab) for _ in range(tool_tokens_per_turn)]
+    return entries
