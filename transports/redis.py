@@ -90,7 +90,9 @@ class RedisTokenStore:
         if (url is None) == (client is None):
             raise ConfigError("RedisTokenStore needs exactly one of url= or client=")
         if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"url must start with redis://, rediss:// or unix://, got {url!r}")
+            raise ConfigError(  # the URL may carry a password: show its scheme only
+                f"url must start with redis://, rediss:// or unix://, got {url.split(':')[0]!r}"
+            )
         if tombstone_ttl_s <= 0:
             raise ConfigError("tombstone_ttl_s must be > 0")
         if not key_prefix or "{" in key_prefix or "}" in key_prefix:
@@ -406,7 +408,10 @@ def _snapshot(
     pending = sorted(call_id for call_id, value in kinds[k.INTENT].items()
                      if value == k.INTENT_OPEN and call_id not in bodies)
     reasons += [f"call {call_id}: intent without entry" for call_id in pending]
-    incomplete = fields.get(k.INCOMPLETE.encode()) == b"1" or bool(pending)
+    retired = fields.get(k.RETIRED.encode()) == b"1"
+    if retired:  # its entries are gone, so it can no longer be rebuilt
+        reasons.append("rollout retired: its entries were dropped")
+    incomplete = fields.get(k.INCOMPLETE.encode()) == b"1" or bool(pending) or retired
     return TokenCaptureSnapshot(
         rollout_id=rollout_id,
         entries=entries,
@@ -441,7 +446,7 @@ def _summary(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
         "state": state,
         "calls": len(bodies),
         "pending_intents": len(pending),
-        "incomplete": fields.get(k.INCOMPLETE.encode()) == b"1" or bool(pending),
+        "incomplete": fields.get(k.INCOMPLETE.encode()) == b"1",  # marked lost (intents aside)
         "version": _int(fields.get(k.VERSION.encode())),
         "snapshot_id": snapshot_id.decode() if snapshot_id else "",
         "prompt_tokens_max": prompt_max,
