@@ -1,0 +1,190 @@
+"""OpenAI Responses <-> one chat-completions request and its reply.
+
+Input items become chat messages: ``message`` items by role, ``function_call_output`` items
+tool messages. An assistant turn arrives as several items (``reasoning``, then a
+``message``, then ``function_call`` items, the order this server emits them) and is merged
+back into the one assistant message the upstream produced, so the template renders it as it
+was generated. There is no server-side state: ``previous_response_id`` is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from api.capture_step import CapturedCall
+from api.dialects.common import (
+    RequestError,
+    assistant_message,
+    joined_text,
+    new_id,
+    number,
+    require_list,
+    require_mapping,
+    require_text,
+    tool_call,
+)
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+ROLES = {"user": "user", "system": "system", "developer": "system"}
+REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": "string"},
+        "stream": {"type": "boolean"},
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number"},
+        "top_p": {"type": "number"},
+        "tools": {"type": "array"},
+    },
+}
+
+
+class _Turns:
+    """Accumulates chat messages, merging consecutive assistant items into one turn."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+
+    def flush(self) -> None:
+        if self.text or self.reasoning or self.calls:
+            message = assistant_message("".join(self.text), "".join(self.reasoning), self.calls)
+            self.messages.append(message)
+        self.text, self.reasoning, self.calls = [], [], []
+
+    def add(self, item: Mapping[str, Any], where: str) -> None:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            content = joined_text(item.get("content"), f"{where}.content", TEXT_PARTS)
+            if role == "assistant":
+                if self.calls:
+                    self.flush()
+                self.text.append(content)
+            elif role in ROLES:
+                self.flush()
+                self.messages.append({"role": ROLES[role], "content": content})
+            else:
+                raise RequestError(f"{where}.role must be user, system, developer or assistant")
+        elif kind == "reasoning":
+            if self.text or self.calls:
+                self.flush()
+            parts = item.get("content") or item.get("summary") or []
+            types = ("reasoning_text", "summary_text")
+            self.reasoning.append(joined_text(parts, f"{where}.content", types))
+        elif kind == "function_call":
+            self.calls.append(tool_call(item.get("call_id"), item.get("name"), item.get("arguments")))
+        elif kind == "function_call_output":
+            self.flush()
+            output = item.get("output")
+            content = joined_text(output, f"{where}.output", TEXT_PARTS)
+            self.messages.append(
+                {"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": content}
+            )
+        # Other item types (web search calls, references) carry nothing the policy rendered.
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    turns = _Turns()
+    instructions = body.get("instructions")
+    if instructions is not None:
+        turns.messages.append({"role": "system", "content": require_text(instructions, "instructions")})
+    source = body.get("input")
+    if isinstance(source, str):
+        turns.messages.append({"role": "user", "content": source})
+        return turns.messages
+    for index, item in enumerate(require_list(source, "input")):
+        turns.add(require_mapping(item, f"input[{index}]"), f"input[{index}]")
+    turns.flush()
+    return turns.messages
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    result = []
+    for tool in require_list(tools, "tools") if tools is not None else []:
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            continue
+        function = {"name": str(tool.get("name") or ""), "parameters": tool.get("parameters") or {}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        result.append({"type": "function", "function": function})
+    return result
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and choice.get("name"):
+        return {"type": "function", "function": {"name": str(choice["name"])}}
+    return None
+
+
+def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
+    """One chat-completions request for a Responses request."""
+    if body.get("previous_response_id"):
+        raise RequestError(
+            "previous_response_id is not supported: this server keeps no responses; "
+            "send the whole conversation as input"
+        )
+    request: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages(body)}
+    tools = _tools(body.get("tools"))
+    if tools:
+        request["tools"] = tools
+        choice = _tool_choice(body.get("tool_choice"))
+        if choice is not None:
+            request["tool_choice"] = choice
+    max_tokens = number(body, "max_output_tokens", int)
+    if max_tokens is not None:
+        request["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p"):
+        if number(body, key) is not None:
+            request[key] = body[key]
+    return request
+
+
+def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The Responses object served to the harness: the captured items, no token arrays."""
+    generation = captured.generation
+    truncated = generation.finish_reason == "length"
+    prompt, completion = generation.prompt_tokens, generation.completion_tokens
+    return {
+        "id": new_id("resp_"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "incomplete" if truncated else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+        "error": None,
+        "model": body.get("model") if isinstance(body.get("model"), str) else "",
+        "output": copy.deepcopy(captured.items),
+        "instructions": body.get("instructions"),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice") or "auto",
+        "parallel_tool_calls": True,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "previous_response_id": None,
+        "metadata": {},
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

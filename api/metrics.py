@@ -1,0 +1,63 @@
+"""Prometheus metrics of the front end, served at ``/metrics``.
+
+Each app has its own registry, so several apps in one process (tests, embedded servers) do
+not collide; with several uvicorn workers each worker reports its own counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# Outcomes of one model call, as counted in tokcap_calls_total.
+OUTCOMES = ("captured", "incomplete", "uncaptured", "upstream_error", "bad_request")
+
+
+@dataclass
+class FrontEndMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.calls = Counter(
+            "tokcap_calls",
+            "Model calls served, by dialect and outcome",
+            ["dialect", "outcome"],
+            registry=self.registry,
+        )
+        self.captured = Counter(
+            "tokcap_captured_calls", "Calls whose ids were stored", registry=self.registry
+        )
+        self.incomplete = Counter(
+            "tokcap_incomplete_calls",
+            "Calls that reached the harness without stored ids (rollout marked incomplete)",
+            registry=self.registry,
+        )
+        self.put_seconds = Histogram(
+            "tokcap_capture_put_seconds",
+            "Time to extract and durably put one call's entry",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstream_seconds = Histogram(
+            "tokcap_upstream_seconds",
+            "Time of the upstream chat-completions call",
+            ["dialect"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def record_call(self, dialect: str, outcome: str, put_seconds: float | None = None) -> None:
+        self.calls.labels(dialect=dialect, outcome=outcome).inc()
+        if outcome == "captured":
+            self.captured.inc()
+        elif outcome == "incomplete":
+            self.incomplete.inc()
+        if put_seconds is not None and outcome in ("captured", "incomplete"):
+            self.put_seconds.observe(put_seconds)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,85 @@
+"""The prefix router: ``/ng-rollout/<id>/training-token-capture/<api path>`` is captured.
+
+A small ASGI middleware in the starlette manner. It matches the path, works on a copy of the
+scope with the prefix stripped (``path`` and ``raw_path`` both, so every later router sees
+the plain API path), and opens the capture context of the call for tagged requests. The body
+is passed through untouched. ``/ng-rollout/<id>/<api path>`` without the capture segment is
+served but not captured; an invalid id is answered with a 400 that names the rule, never
+rewritten (a rewritten id would merge or split rollouts).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from capture.context import capture_call
+from capture.errors import InvalidRolloutIdError
+from capture.rollout_ids import split_capture_path, validate_rollout_id
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+SinkProvider = Callable[[], Any]
+
+
+def _strip_raw_path(raw_path: bytes | None, path: str, rest: str) -> bytes:
+    """The raw path without the prefix; re-encoded when the client escaped the prefix."""
+    prefix = path[: len(path) - len(rest)] if path.endswith(rest) else ""
+    if raw_path is not None and prefix and raw_path.startswith(prefix.encode()):
+        stripped = raw_path[len(prefix.encode()):]
+        return stripped if stripped.startswith(b"/") else b"/" + stripped
+    return rest.encode()
+
+
+async def _reject(send: Send, status: int, message: str) -> None:
+    body = json.dumps(
+        {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class CapturePrefixRouter:
+    """Strip the rollout prefix and open a capture context for the captured form."""
+
+    def __init__(self, app: ASGIApp, sink_provider: SinkProvider) -> None:
+        self.app = app
+        self.sink_provider = sink_provider
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        rollout_id, captured, rest = split_capture_path(path)
+        if rollout_id is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            validate_rollout_id(rollout_id)
+        except InvalidRolloutIdError as exc:
+            await _reject(send, 400, f"invalid rollout id in the URL: {exc}")
+            return
+        scope = dict(scope)
+        scope["raw_path"] = _strip_raw_path(scope.get("raw_path"), path, rest)
+        scope["path"] = rest
+        scope["tokcap_rollout_id"] = rollout_id
+        sink = self.sink_provider() if captured else None
+        if sink is None:
+            await self.app(scope, receive, send)
+            return
+        async with capture_call(rollout_id, sink):
+            await self.app(scope, receive, send)

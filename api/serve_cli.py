@@ -1,0 +1,61 @@
+"""``tokcap serve``: run the front end with uvicorn (``python -m api.serve_cli`` works too).
+
+Settings travel to the workers through the environment (TOKCAP_CONFIG, TOKCAP_UPSTREAM), so
+each worker process builds its own app, sink and upstream client from the same config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from api.settings import ENV_CONFIG, settings_from_environment
+from capture.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="Gym-style YAML with model_server and token_id_capture")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8100, help="port to bind (default 8100)")
+    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    parser.add_argument("--upstream", help="engine URL; overrides model_server.upstream")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if args.config:
+        os.environ[ENV_CONFIG] = os.path.abspath(args.config)
+    if args.upstream:
+        os.environ["TOKCAP_UPSTREAM"] = args.upstream
+    try:
+        settings = settings_from_environment()  # fail here, once, on a bad config
+    except ConfigError as exc:
+        print(f"tokcap serve: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"tokcap serve: http://{args.host}:{args.port} -> upstream {settings.upstream} "
+        f"(capture {'on' if settings.capture.enabled else 'off'}, {args.workers} worker(s))",
+        file=sys.stderr,
+    )
+    uvicorn.run(
+        "api.app:create_app_from_env",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokcap serve", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

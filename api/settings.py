@@ -1,0 +1,105 @@
+"""Settings of the model-server front end, read from a Gym-style YAML and the environment.
+
+The document's ``model_server`` block holds this server's own keys (upstream URL, the model
+name sent upstream, sampling overrides, the body limit); its ``token_id_capture`` block is
+read by ``capture.config``. Unknown keys in ``model_server`` are a startup error, like a typo
+in the capture block. Environment variables override the file so one YAML serves many hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from capture.config import TokenIdCaptureConfig, find_capture_block, load_document
+from capture.errors import ConfigError
+
+SERVER_KEY = "model_server"
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# Environment overrides: variable -> settings field.
+ENV_CONFIG = "TOKCAP_CONFIG"
+ENV_OVERRIDES = {
+    "TOKCAP_UPSTREAM": "upstream",
+    "TOKCAP_MODEL": "model",
+    "TOKCAP_MAX_BODY_BYTES": "max_body_bytes",
+}
+
+
+class ModelServerBlock(BaseModel):
+    """The ``model_server`` block as written in the YAML."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    upstream: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    sampling_overrides: dict[str, Any] = Field(default_factory=dict)
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything ``create_app`` needs; ``sink_factory`` wins over the capture config."""
+
+    upstream: str = "http://127.0.0.1:8000"
+    # Model name sent upstream; None asks the upstream's /v1/models once.
+    model: str | None = None
+    sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    upstream_timeout_s: float = 600.0
+    capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
+    sink_factory: Callable[[], Any] | None = None
+
+    def build_sink(self) -> Any:
+        """A new sink for this worker, or None when capture is off."""
+        if self.sink_factory is not None:
+            return self.sink_factory()
+        return self.capture.build_sink()
+
+    @classmethod
+    def from_document(cls, source: Any, environ: Mapping[str, str] | None = None) -> ServerSettings:
+        """Settings from a YAML path, YAML text or mapping, then environment overrides."""
+        document = load_document(source)
+        block = document.get(SERVER_KEY) or {}
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"{SERVER_KEY} must be a mapping, got {type(block).__name__}")
+        try:
+            server = ModelServerBlock.model_validate(dict(block))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{SERVER_KEY}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise ConfigError(f"invalid model server config: {problems}") from None
+        where, capture_block = find_capture_block(document)
+        capture = TokenIdCaptureConfig.from_block(capture_block, where or "token_id_capture")
+        settings = cls(capture=capture, **server.model_dump())
+        return settings.with_environment(os.environ if environ is None else environ)
+
+    def with_environment(self, environ: Mapping[str, str]) -> ServerSettings:
+        """A copy with the TOKCAP_* environment overrides applied."""
+        changes: dict[str, Any] = {}
+        for variable, name in ENV_OVERRIDES.items():
+            value = environ.get(variable)
+            if not value:
+                continue
+            if name == "max_body_bytes":
+                try:
+                    changes[name] = int(value)
+                except ValueError:
+                    raise ConfigError(f"{variable} must be an integer, got {value!r}") from None
+            else:
+                changes[name] = value
+        return replace(self, **changes) if changes else self
+
+
+def settings_from_environment() -> ServerSettings:
+    """What a uvicorn worker builds: the file named by TOKCAP_CONFIG (if any) plus overrides."""
+    path = os.environ.get(ENV_CONFIG)
+    if path:
+        return ServerSettings.from_document(path)
+    return ServerSettings().with_environment(os.environ)
