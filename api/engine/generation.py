@@ -1,0 +1,218 @@
+"""One generation: policy reply -> planned token ids -> scored, stopped, parsed sequence.
+
+The engine encodes the policy's text canonically and appends ``<|im_end|>``; with the
+``noncanonical_rate`` knob some tokens are replaced by two vocabulary tokens with the same
+bytes. Every emitted token gets its log-prob from the pseudo-model at its true position.
+Stop strings, ``max_tokens`` and the end token end the sequence the way vLLM ends it: the
+token that completes a stop string is kept in the ids, the stop string is cut from the text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .ground_truth import GroundTruthLog
+from .policies import Conversation, Policy, Reply, make_policy, reply_text
+from .sampler import PseudoModel, Step
+from .settings import EngineSettings
+from .template import COMPACT_SEPARATORS, TEMPLATE_SEPARATORS, render
+from .tokenizer import EngineTokenizer, StreamDecoder, load_tokenizer
+from .tool_parser import ParsedReply, parse_reply
+
+
+class ContextLengthError(ValueError):
+    """The request does not fit the model's context (vLLM answers 400)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+
+
+@dataclass
+class Generation:
+    index: int
+    token_ids: list[int]
+    steps: list[Step]
+    deltas: list[str]  # visible text each token added (stop string already cut)
+    text: str
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    stop_reason: str | int | None
+    parsed: ParsedReply = field(default_factory=ParsedReply)
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [step.logprob for step in self.steps]
+
+
+class Engine:
+    """Owns the tokenizer, pseudo-model, policy and ground-truth log of one server."""
+
+    def __init__(self, settings: EngineSettings, tokenizer: EngineTokenizer | None = None):
+        self.settings = settings
+        self.tokenizer = tokenizer or load_tokenizer(settings.tokenizer_path)
+        self.model = PseudoModel(self.tokenizer.vocab_size, seed=0)
+        self.policy: Policy = make_policy(settings.policy, settings.script_path)
+        self.ground_truth = GroundTruthLog(settings.ground_truth_path)
+        self._calls = itertools.count()
+        self._lock = threading.Lock()
+
+    # -- prompts ------------------------------------------------------------------------
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True
+    ) -> str:
+        return render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            think_strip=self.settings.think_strip,
+        )
+
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The effective max_tokens, or ContextLengthError as vLLM words it."""
+        limit = self.settings.max_model_len
+        room = limit - prompt_len
+        wanted = max_tokens if max_tokens is not None else room
+        if room <= 0 or wanted > room:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + wanted} tokens ({prompt_len} in the messages, "
+                f"{wanted} in the completion). Please reduce the length of the messages "
+                "or completion."
+            )
+        return wanted
+
+    # -- generation ---------------------------------------------------------------------
+    def _base_seed(self, seed: int | None) -> int:
+        if seed is not None:
+            return seed
+        with self._lock:
+            return self.settings.seed * 1_000_003 + next(self._calls)
+
+    def _forced(self, reply: Reply, conversation: Conversation, tool_choice) -> Reply:
+        names = conversation.tool_names
+        if isinstance(tool_choice, dict):
+            name = (tool_choice.get("function") or {}).get("name")
+            kept = tuple(c for c in reply.tool_calls if c[0] == name)
+            return Reply(reply.think, "", kept or ((name, {}),)) if name else reply
+        if tool_choice == "required" and names and not reply.tool_calls:
+            return Reply(reply.think, "", ((names[0], {}),))
+        return reply
+
+    def plan(self, reply: Reply, rng: random.Random) -> list[int]:
+        separators = COMPACT_SEPARATORS if self.settings.json_reserialize else TEMPLATE_SEPARATORS
+        ids = self.tokenizer.encode(reply_text(reply, separators))
+        rate = self.settings.noncanonical_rate
+        if rate > 0:
+            split_ids: list[int] = []
+            for token_id in ids:
+                pairs = self.tokenizer.splits(token_id)
+                if pairs and rng.random() < rate:
+                    split_ids.extend(rng.choice(pairs))
+                else:
+                    split_ids.append(token_id)
+            ids = split_ids
+        return ids + [self.tokenizer.eos_id]
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        conversation: Conversation,
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        tool_choice=None,
+        parse_tools: bool = False,
+        request_id: str = "",
+    ) -> list[Generation]:
+        max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
+        base_seed = self._base_seed(params.seed)
+        score_seed = params.seed if params.seed is not None else 0
+        results = []
+        for index in range(n):
+            rng = random.Random(f"{base_seed}:{index}")
+            reply = self._forced(self.policy.reply(conversation, rng), conversation, tool_choice)
+            planned = self.plan(reply, rng)
+            gen = self._run(prompt_ids, planned, params, max_tokens, score_seed, index)
+            gen.parsed = parse_reply(gen.text, parse_tools=parse_tools)
+            if gen.parsed.tool_calls:
+                gen.finish_reason = "tool_calls"
+            results.append(gen)
+            self._record(request_id, prompt_ids, gen)
+        return results
+
+    def _run(
+        self, prompt_ids: list[int], planned: list[int], params: SamplingParams,
+        max_tokens: int, score_seed: int, index: int,
+    ) -> Generation:
+        context = list(prompt_ids)
+        decoder = StreamDecoder(self.tokenizer)
+        ids: list[int] = []
+        steps: list[Step] = []
+        deltas: list[str] = []
+        text = ""
+        finish, stop_reason = "length", None
+        for token_id in planned:
+            if len(ids) >= max_tokens:
+                break
+            step = self.model.step(
+                context, token_id, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_logprobs, seed=score_seed,
+            )
+            ids.append(token_id)
+            steps.append(step)
+            context.append(token_id)
+            if token_id == self.tokenizer.eos_id:
+                deltas.append(decoder.flush())
+                text += deltas[-1]
+                finish = "stop"
+                break
+            delta = decoder.feed(token_id)
+            searched_from = len(text)
+            text += delta
+            hit = self._find_stop(text, searched_from, params.stop)
+            if hit is not None:
+                cut, stop_reason = hit
+                delta = delta[: max(0, cut - searched_from)]
+                text = text[:cut]
+                deltas.append(delta)
+                finish = "stop"
+                break
+            deltas.append(delta)
+        return Generation(index, ids, steps, deltas, text, finish, stop_reason)
+
+    @staticmethod
+    def _find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+        best = None
+        for stop in stops:
+            if not stop:
+                continue
+            at = text.find(stop, max(0, new_from - len(stop) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        return best
+
+    def _record(self, request_id: str, prompt_ids: list[int], gen: Generation) -> None:
+        self.ground_truth.append(
+            {
+                "request_id": request_id,
+                "choice_index": gen.index,
+                "model": self.settings.model,
+                "prompt_token_ids": list(prompt_ids),
+                "token_ids": list(gen.token_ids),
+                "logprobs": gen.logprobs,
+                "text": gen.text,
+                "reasoning": gen.parsed.reasoning,
+                "content": gen.parsed.content,
+                "tool_calls": [call.as_openai() for call in gen.parsed.tool_calls],
+                "finish_reason": gen.finish_reason,
+                "created": time.time(),
+            }
+        )

@@ -1,0 +1,277 @@
+"""Reply bodies in vLLM's OpenAI-compatible shapes (chat, completions, their SSE chunks).
+
+Field names and presence follow vLLM >= 0.10.2: ``prompt_token_ids`` at the top of a chat
+reply (and of the first stream chunk), ``token_ids`` per choice (and per chunk: the ids
+that chunk adds), ``stop_reason`` beside ``finish_reason``, log-prob tokens as
+``"token_id:N"`` when ``return_tokens_as_token_ids`` is set, -inf clamped to -9999.0.
+Stream chunks carry only the fields vLLM sets on them (it dumps with exclude_unset).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .generation import Generation
+from .sampler import Step
+from .tokenizer import EngineTokenizer
+
+
+@dataclass(frozen=True)
+class ReplyOptions:
+    """What the request asked to see, beside the generations themselves."""
+
+    response_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    logprobs: bool = False
+    top_logprobs: int = 0
+    as_token_ids: bool = False
+    return_token_ids: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def token_label(tokenizer: EngineTokenizer, token_id: int, as_token_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_token_ids else tokenizer.token_text(token_id)
+
+
+def _chat_logprob(tokenizer: EngineTokenizer, token_id: int, logprob: float, as_ids: bool) -> dict:
+    token = token_label(tokenizer, token_id, as_ids)
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode("utf-8", errors="replace")),
+    }
+
+
+def chat_logprobs(tokenizer: EngineTokenizer, steps: list[Step], opts: ReplyOptions) -> dict:
+    content = []
+    for step in steps:
+        entry = _chat_logprob(tokenizer, step.token_id, step.logprob, opts.as_token_ids)
+        entry["top_logprobs"] = [
+            _chat_logprob(tokenizer, tid, lp, opts.as_token_ids)
+            for tid, lp in step.top[: opts.top_logprobs]
+        ]
+        content.append(entry)
+    return {"content": content}
+
+
+def _message_content(gen: Generation) -> str | None:
+    """Like vLLM: null beside tool calls or reasoning when nothing else was said."""
+    if gen.parsed.tool_calls or gen.parsed.reasoning is not None:
+        return gen.parsed.content
+    return gen.parsed.content or ""
+
+
+def chat_message(gen: Generation) -> dict:
+    return {
+        "role": "assistant",
+        "content": _message_content(gen),
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [call.as_openai() for call in gen.parsed.tool_calls],
+        "reasoning_content": gen.parsed.reasoning,
+    }
+
+
+def chat_completion(
+    tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions
+) -> dict:
+    choices = [
+        {
+            "index": gen.index,
+            "message": chat_message(gen),
+            "logprobs": chat_logprobs(tokenizer, gen.steps, opts) if opts.logprobs else None,
+            "finish_reason": gen.finish_reason,
+            "stop_reason": gen.stop_reason,
+            "token_ids": list(gen.token_ids) if opts.return_token_ids else None,
+        }
+        for gen in gens
+    ]
+    return {
+        "id": opts.response_id,
+        "object": "chat.completion",
+        "created": opts.created,
+        "model": opts.model,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(len(opts.prompt_ids), sum(len(g.token_ids) for g in gens)),
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(opts.prompt_ids) if opts.return_token_ids else None,
+        "kv_transfer_params": None,
+    }
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _overlap(text: str, start: int, end: int, span: tuple[int, int]) -> str:
+    lo, hi = max(start, span[0]), min(end, span[1])
+    return text[lo:hi] if lo < hi else ""
+
+
+def _chat_delta(gen: Generation, start: int, end: int, emitted_calls: int) -> tuple[dict, int]:
+    """The delta of the token covering text[start:end]; calls are sent when they close."""
+    delta: dict = {}
+    reasoning = _overlap(gen.text, start, end, gen.parsed.reasoning_span)
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    content = _overlap(gen.text, start, end, gen.parsed.content_span)
+    if content:
+        delta["content"] = content
+    calls = []
+    while emitted_calls < len(gen.parsed.tool_calls):
+        call = gen.parsed.tool_calls[emitted_calls]
+        if call.end > end:
+            break
+        calls.append({"index": emitted_calls, **call.as_openai()})
+        emitted_calls += 1
+    if calls:
+        delta["tool_calls"] = calls
+    return delta, emitted_calls
+
+
+def chat_stream(tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions) -> Iterator[str]:
+    """SSE lines of a chat completion stream, choices interleaved token by token."""
+    head = {"id": opts.response_id, "object": "chat.completion.chunk", "created": opts.created,
+            "model": opts.model}
+    prompt_len = len(opts.prompt_ids)
+    for gen in gens:
+        chunk = {**head, "choices": [{"index": gen.index,
+                                      "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}],
+                 "prompt_token_ids": list(opts.prompt_ids) if opts.return_token_ids else None}
+        if opts.continuous_usage:
+            chunk["usage"] = usage(prompt_len, 0)
+        yield _sse(chunk)
+    offsets = [0] * len(gens)
+    emitted = [0] * len(gens)
+    longest = max((len(g.token_ids) for g in gens), default=0)
+    for position in range(longest):
+        for n, gen in enumerate(gens):
+            if position >= len(gen.token_ids):
+                continue
+            start = offsets[n]
+            end = start + len(gen.deltas[position])
+            offsets[n] = end
+            last = position == len(gen.token_ids) - 1
+            delta, emitted[n] = _chat_delta(gen, start, len(gen.text) if last else end, emitted[n])
+            choice = {
+                "index": gen.index,
+                "delta": delta,
+                "logprobs": chat_logprobs(tokenizer, gen.steps[position : position + 1], opts)
+                if opts.logprobs else None,
+                "finish_reason": gen.finish_reason if last else None,
+                "token_ids": [gen.token_ids[position]] if opts.return_token_ids else None,
+            }
+            if last:
+                choice["stop_reason"] = gen.stop_reason
+            chunk = {**head, "choices": [choice]}
+            if opts.continuous_usage:
+                chunk["usage"] = usage(prompt_len, position + 1)
+            yield _sse(chunk)
+    if opts.include_usage:
+        total = sum(len(g.token_ids) for g in gens)
+        yield _sse({**head, "choices": [], "usage": usage(prompt_len, total)})
+    yield "data: [DONE]\n\n"
+
+
+# -- /v1/completions --------------------------------------------------------------------
+def completion_logprobs(
+    tokenizer: EngineTokenizer, steps: list[Step], deltas: list[str], opts: ReplyOptions,
+    offset: int = 0,
+) -> dict:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for step, delta in zip(steps, deltas, strict=True):
+        tokens.append(token_label(tokenizer, step.token_id, opts.as_token_ids))
+        token_logprobs.append(step.logprob)
+        tops.append({
+            token_label(tokenizer, tid, opts.as_token_ids): lp
+            for tid, lp in step.top[: max(1, opts.top_logprobs)]
+        })
+        offsets.append(offset)
+        offset += len(delta)
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+            "top_logprobs": tops}
+
+
+def completion(
+    tokenizer: EngineTokenizer, batches: list[tuple[list[int], list[Generation]]],
+    opts: ReplyOptions, n: int,
+) -> dict:
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for prompt_index, (prompt_ids, gens) in enumerate(batches):
+        prompt_tokens += len(prompt_ids)
+        for gen in gens:
+            completion_tokens += len(gen.token_ids)
+            choices.append({
+                "index": prompt_index * n + gen.index,
+                "text": gen.text,
+                "logprobs": completion_logprobs(tokenizer, gen.steps, gen.deltas, opts)
+                if opts.logprobs else None,
+                "finish_reason": gen.finish_reason,
+                "stop_reason": gen.stop_reason,
+                "token_ids": list(gen.token_ids) if opts.return_token_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": list(prompt_ids) if opts.return_token_ids else None,
+            })
+    return {
+        "id": opts.response_id, "object": "text_completion", "created": opts.created,
+        "model": opts.model, "choices": choices, "service_tier": None,
+        "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens),
+        "kv_transfer_params": None,
+    }
+
+
+def completion_stream(
+    tokenizer: EngineTokenizer, batches: list[tuple[list[int], list[Generation]]],
+    opts: ReplyOptions, n: int,
+) -> Iterator[str]:
+    head = {"id": opts.response_id, "object": "text_completion", "created": opts.created,
+            "model": opts.model}
+    prompt_tokens = completion_tokens = 0
+    for prompt_index, (prompt_ids, gens) in enumerate(batches):
+        prompt_tokens += len(prompt_ids)
+        for gen in gens:
+            offset = 0
+            for position, token_id in enumerate(gen.token_ids):
+                last = position == len(gen.token_ids) - 1
+                delta = gen.deltas[position]
+                choice = {
+                    "index": prompt_index * n + gen.index,
+                    "text": delta,
+                    "logprobs": completion_logprobs(
+                        tokenizer, gen.steps[position : position + 1], [delta], opts, offset
+                    ) if opts.logprobs else None,
+                    "finish_reason": gen.finish_reason if last else None,
+                    "stop_reason": gen.stop_reason if last else None,
+                }
+                if opts.return_token_ids:
+                    choice["prompt_token_ids"] = list(prompt_ids) if position == 0 else None
+                    choice["token_ids"] = [token_id]
+                offset += len(delta)
+                completion_tokens += 1
+                chunk = {**head, "choices": [choice]}
+                if opts.continuous_usage:
+                    chunk["usage"] = usage(len(prompt_ids), position + 1)
+                yield _sse(chunk)
+    if opts.include_usage:
+        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield "data: [DONE]\n\n"
