@@ -1,0 +1,215 @@
+"""Hand a finished rollout its training tokens: finalize, then (after a durable handoff) retire.
+
+``finalize_rollout_token_capture`` freezes the rollout's capture, rebuilds it, replaces only
+``result["response"]["output"]`` with the contiguous token-bearing items, attaches the
+per-rollout metrics under ``_ng_token_capture`` and sets the top-level ``mask_sample``. It
+never raises: every failure becomes a masked record with the error in its metrics, because
+a trainer loop must not die on one bad rollout. It never retires either: the snapshot is
+dropped only by ``retire_rollout_token_capture``, after the caller made the result durable,
+and only for a successful build, so a crash in between loses nothing.
+
+A masked record keeps its original output: its tokens are excluded from the loss, and a
+partial chain presented as the transcript would only mislead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from capture.builder import BuildResult, run_builder
+from capture.errors import TokenCaptureError
+from capture.records import TOKEN_FIELDS, TokenCaptureSnapshot
+from capture.rollout_ids import rollout_id_from_run_body, validate_rollout_id
+
+log = logging.getLogger("tokcap.delivery")
+
+METRICS_KEY = "_ng_token_capture"
+MASK_KEY = "mask_sample"
+
+
+@dataclass(frozen=True)
+class RolloutBuild:
+    """What finalize did; ``(snapshot_id, version)`` names the snapshot retire may drop."""
+
+    rollout_id: str | None
+    snapshot_id: str = ""
+    version: int = 0
+    ok: bool = False  # a successful, unmasked build: the only kind that may be retired
+    masked: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    skipped: bool = False  # the record already carried token ids and was left alone
+
+
+def empty_metrics() -> dict[str, Any]:
+    """Metrics of a rollout that produced nothing to deliver."""
+    return {
+        "n_calls": 0,
+        "chains": 0,
+        "roots": 0,
+        "quarantined_calls": 0,
+        "quarantined_fraction": 0.0,
+        "delivered_fraction": 0.0,
+        "generated_tokens_captured": 0,
+        "generated_tokens_delivered": 0,
+        "empty_generation_calls": 0,
+        "capture_incomplete": None,  # unknown until a snapshot was read
+        "error": None,
+    }
+
+
+def carries_token_ids(output: Any) -> bool:
+    """Whether an output list already has token arrays on some item."""
+    if not isinstance(output, list):
+        return False
+    return any(
+        isinstance(item, Mapping) and any(item.get(name) is not None for name in TOKEN_FIELDS)
+        for item in output
+    )
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _mark(result: Any, masked: bool, metrics: dict[str, Any]) -> None:
+    # A record someone else already masked stays masked: finalize only ever adds a mask.
+    if isinstance(result, MutableMapping):
+        result[METRICS_KEY] = metrics
+        result[MASK_KEY] = masked or result.get(MASK_KEY) is True
+
+
+async def finalize_rollout_token_capture(
+    result: Any, source: Any, *, rollout_id: str | None = None
+) -> RolloutBuild:
+    """Freeze, rebuild and attach the rollout's tokens to ``result``; never raises."""
+    metrics = empty_metrics()
+    snapshot: TokenCaptureSnapshot | None = None
+    try:
+        if not isinstance(result, MutableMapping):
+            raise TypeError(f"the rollout record must be a mutable mapping, got {type(result)}")
+        response = result.get("response")
+        output = response.get("output") if isinstance(response, Mapping) else None
+        if carries_token_ids(output):
+            return RolloutBuild(rollout_id=rollout_id, skipped=True)
+
+        if rollout_id is not None:
+            rollout_id = validate_rollout_id(rollout_id)
+        else:
+            rollout_id = rollout_id_from_run_body(result)
+            if rollout_id is None:
+                raise TokenCaptureError(
+                    "the record names no rollout id (_ng_rollout_id, or _ng_task_index and "
+                    "_ng_rollout_index)"
+                )
+
+        snapshot = await _maybe_await(source.freeze(rollout_id))
+        metrics["capture_incomplete"] = bool(snapshot.incomplete)
+        build = run_builder(snapshot, final_answer=output)
+        if build.rollout_id != rollout_id:
+            raise TokenCaptureError(
+                f"source returned a snapshot of rollout {build.rollout_id!r} "
+                f"for {rollout_id!r}"
+            )
+        reasons = _mask_reasons(snapshot, build)
+        metrics.update(build.metrics())
+        metrics["mask_reasons"] = reasons
+        masked = bool(reasons)
+        if not masked:
+            if not isinstance(response, MutableMapping):
+                raise TokenCaptureError("the record has no response object to rebuild")
+            response["output"] = list(build.output)
+        _mark(result, masked, metrics)
+        return RolloutBuild(
+            rollout_id=rollout_id,
+            snapshot_id=snapshot.snapshot_id,
+            version=snapshot.version,
+            ok=not masked,
+            masked=masked,
+            metrics=metrics,
+        )
+    except Exception as exc:  # finalize never raises: the error is a masked record
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("token capture of rollout %s not delivered: %s", rollout_id, error)
+        metrics["error"] = error
+        metrics["mask_reasons"] = [f"build error: {error}"]
+        _mark(result, True, metrics)
+        return RolloutBuild(
+            rollout_id=rollout_id if isinstance(rollout_id, str) else None,
+            snapshot_id=snapshot.snapshot_id if snapshot is not None else "",
+            version=snapshot.version if snapshot is not None else 0,
+            masked=True,
+            metrics=metrics,
+            error=error,
+        )
+
+
+def _mask_reasons(snapshot: TokenCaptureSnapshot, build: BuildResult) -> list[str]:
+    reasons = []
+    if snapshot.incomplete:
+        detail = "; ".join(getattr(snapshot, "incomplete_reasons", ()) or ())
+        reasons.append("incomplete capture" + (f": {detail}" if detail else ""))
+    reasons.extend(build.mask_reasons)
+    return reasons
+
+
+async def retire_rollout_token_capture(
+    rollout_id: str, source: Any, built: RolloutBuild | None
+) -> bool:
+    """Drop exactly the snapshot a successful build used; False if anything changed.
+
+    Masked, failed or skipped builds are never retired: their capture stays for inspection.
+    Errors of the source propagate, so the caller can retry the retire.
+    """
+    if built is None or not built.ok or built.rollout_id != rollout_id:
+        return False
+    dropped = await _maybe_await(
+        source.drop(rollout_id, snapshot_id=built.snapshot_id, version=built.version)
+    )
+    return bool(dropped)
+
+
+class MaskFractionExceeded(TokenCaptureError):
+    """Too many rollouts were masked: capture is losing calls, so training would be biased."""
+
+
+class MaskFractionGuard:
+    """Counts masked rollouts and raises once their fraction exceeds ``max_fraction``.
+
+    Nothing is judged before ``min_samples`` rollouts were seen, so one early loss does not
+    stop a run. ``max_fraction=None`` disables the check (``max_mask_fraction: null``).
+    """
+
+    def __init__(self, max_fraction: float | None, min_samples: int = 1) -> None:
+        if max_fraction is not None and not 0.0 <= max_fraction <= 1.0:
+            raise ValueError(f"max_fraction must be within [0, 1], got {max_fraction}")
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        self.max_fraction = max_fraction
+        self.min_samples = min_samples
+        self.seen = 0
+        self.masked = 0
+
+    @property
+    def fraction(self) -> float:
+        return self.masked / self.seen if self.seen else 0.0
+
+    def observe(self, masked: bool) -> None:
+        self.seen += 1
+        self.masked += bool(masked)
+        if self.max_fraction is None or self.seen < self.min_samples:
+            return
+        if self.fraction > self.max_fraction:
+            raise MaskFractionExceeded(
+                f"{self.masked} of {self.seen} rollouts were masked ({self.fraction:.1%}), "
+                f"above max_mask_fraction {self.max_fraction:.1%}; token capture is losing "
+                "calls: check the capture sink and that the harness uses the capture base URL"
+            )
+
+    def observe_record(self, record: Mapping[str, Any]) -> None:
+        """Observe a finalized record by its top-level ``mask_sample``."""
+        self.observe(bool(record.get(MASK_KEY, False)))
