@@ -20,80 +20,24 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capture.codec import DEFAULT_BLOCK_SIZE, decode_entry, encode_entry
+from capture.codec import DEFAULT_BLOCK_SIZE, encode_entry
 from capture.errors import (
     ConflictingEntryError,
     RolloutFrozenError,
     TokenCaptureError,
 )
 from capture.filelog import LockedLog, frame, fsync_dir, locked_log, parse
+from capture.filerecords import RolloutState, entries_from_records, head_record, put_record
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.rollout_ids import validate_rollout_id
 
 LOG_SUFFIX = ".log"
-LOG_FORMAT = 1
 _CACHED_ROLLOUTS = 1024
 _PEEK_BYTES = 4096
-
-
-@dataclass
-class RolloutState:
-    """What a rollout's log says, folded record by record."""
-
-    version: int = 0
-    calls: dict[str, str] = field(default_factory=dict)  # model_call_id -> payload digest
-    blocks: set[str] = field(default_factory=set)
-    intents: set[str] = field(default_factory=set)
-    voided: set[str] = field(default_factory=set)
-    lost: list[str] = field(default_factory=list)  # why the rollout is incomplete
-    frozen: bool = False
-    snapshot_id: str = ""
-    retired: bool = False
-    retired_at: float = 0.0
-    prompt_tokens_max: int = 0
-    generated_tokens: int = 0
-
-    @property
-    def pending_intents(self) -> list[str]:
-        return sorted(self.intents - self.calls.keys() - self.voided)
-
-    @property
-    def incomplete(self) -> bool:
-        return bool(self.lost)
-
-    def apply(self, record: dict[str, Any]) -> None:
-        kind = record["k"]
-        if kind == "head":
-            return
-        if kind == "tomb":
-            # Only ever the first record after the head of a fresh log (drop rewrites the log).
-            # It keeps the dropped snapshot's name, so its version is restored as is.
-            self.version = record["version"]
-            self.frozen = self.retired = True
-            self.snapshot_id = record["snapshot_id"]
-            self.retired_at = record["at"]
-            self.lost = list(record.get("lost", ()))
-            return
-        self.version += 1
-        call = record.get("call", "")
-        if kind == "put":
-            self.calls[call] = record["digest"]
-            self.blocks.update(name for name, _ in record["blocks"])
-            self.prompt_tokens_max = max(self.prompt_tokens_max, record["prompt_len"])
-            self.generated_tokens += record["generated"]
-        elif kind == "lost":
-            self.lost.append(record.get("reason") or f"call {call} was marked incomplete")
-        elif kind == "intent":
-            self.intents.add(call)
-        elif kind == "void":
-            self.voided.add(call)
-        elif kind == "freeze":
-            self.frozen = True
-            self.snapshot_id = record["snapshot_id"]
 
 
 @dataclass
@@ -228,15 +172,11 @@ class TokenCaptureStore:
             while len(self._cache) > _CACHED_ROLLOUTS:
                 self._cache.popitem(last=False)
 
-    def _head(self, rollout_id: str) -> dict[str, Any]:
-        return {"k": "head", "format": LOG_FORMAT, "rollout_id": rollout_id,
-                "log_id": uuid.uuid4().hex, "at": time.time()}
-
     def _append(
         self, rollout_id: str, log: LockedLog, state: RolloutState, records: list[dict]
     ) -> None:
         """Append records durably and fold them into the state; a new log gets its head."""
-        head = self._head(rollout_id) if log.size == 0 else None
+        head = head_record(rollout_id) if log.size == 0 else None
         log.append([head, *records] if head else records)
         if head and self.fsync:
             fsync_dir(self.dir)  # the new log's directory entry must survive a crash too
@@ -275,17 +215,7 @@ class TokenCaptureStore:
                 raise ConflictingEntryError(
                     f"rollout {entry.rollout_id}: {reason}; the rollout is marked incomplete"
                 )
-            record = {
-                "k": "put",
-                "call": entry.model_call_id,
-                "digest": encoded.digest,
-                "body": encoded.body,
-                "blocks": [[name, data] for name, data in encoded.blocks
-                           if name not in state.blocks],
-                "prompt_len": len(entry.prompt_token_ids),
-                "generated": len(entry.generation_token_ids),
-            }
-            self._append(entry.rollout_id, log, state, [record])
+            self._append(entry.rollout_id, log, state, [put_record(entry, encoded, state)])
 
     def _mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         path = self._path(rollout_id)
@@ -339,13 +269,7 @@ class TokenCaptureStore:
         )
 
     def _read_entries(self, log: LockedLog) -> list[TokenEntry]:
-        bodies: dict[str, bytes] = {}
-        blocks: dict[str, bytes] = {}
-        for _, record in log.read_from(0):
-            if record["k"] == "put":
-                bodies[record["call"]] = record["body"]
-                blocks.update((name, data) for name, data in record["blocks"])
-        return [decode_entry(body, blocks) for body in bodies.values()]
+        return entries_from_records(record for _, record in log.read_from(0))
 
     def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
         path = self._path(rollout_id)
@@ -357,7 +281,7 @@ class TokenCaptureStore:
                 return False
             if state.retired:
                 return True
-            head = self._head(rollout_id)
+            head = head_record(rollout_id)
             lost = state.lost + [f"call {c} has an intent but no entry" for c in state.pending_intents]
             tomb = {"k": "tomb", "snapshot_id": snapshot_id, "version": version,
                     "lost": lost, "at": time.time()}
@@ -423,3 +347,4 @@ class TokenCaptureStore:
                 except ValueError:
                     continue
         return sorted(names)
+
