@@ -29,7 +29,7 @@ DURABLE = {"appendonly": "yes", "appendfsync": "always", "save": ""}
 class RedisServer:
     """One redis-server child process; restartable on the same port and data dir."""
 
-    def __init__(self, data_dir: Path, **options: str) -> None:
+    def __init__(self, data_dir: Path, **options: str | tuple[str, ...]) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.options = {**DURABLE, **options}
@@ -45,8 +45,8 @@ class RedisServer:
             pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
                 str(self.data_dir), "--daemonize", "no", "--logfile", "server.log"]
-        for name, value in self.options.items():
-            args += [f"--{name}", value]
+        for name, value in self.options.items():  # a tuple value is several arguments
+            args += [f"--{name}", *(value if isinstance(value, tuple) else (value,))]
         self.proc = subprocess.Popen(
             args, cwd=self.data_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -57,7 +57,8 @@ class RedisServer:
                 log = (self.data_dir / "server.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
             try:
-                with redis.Redis(port=self.port, socket_timeout=1) as client:
+                password = self.options.get("requirepass")
+                with redis.Redis(port=self.port, password=password, socket_timeout=1) as client:
                     if client.ping():
                         return self
             except (redis.ConnectionError, redis.BusyLoadingError, redis.TimeoutError):
@@ -104,10 +105,14 @@ def redis_prefix() -> str:
 
 @pytest.fixture
 def redis_server_factory(tmp_path: Path) -> Iterator:
-    """Start extra private servers: ``factory(appendonly="no")``; all stopped at test end."""
+    """Start extra private servers: ``factory(appendonly="no")``; all stopped at test end.
+
+    Options are redis-server flags; a tuple gives several values, as in
+    ``factory(**{"rename-command": ("CONFIG", "")})``.
+    """
     servers: list[RedisServer] = []
 
-    def factory(**options: str) -> RedisServer:
+    def factory(**options: str | tuple[str, ...]) -> RedisServer:
         data_dir = tmp_path / f"redis-{len(servers)}"
         data_dir.mkdir()
         server = RedisServer(data_dir, **options)
@@ -115,5 +120,5 @@ def redis_server_factory(tmp_path: Path) -> Iterator:
         return server.start()
 
     yield factory
-    for server in servers:
+    for server in reversed(servers):  # replicas before their primary
         server.stop()

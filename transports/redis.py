@@ -23,6 +23,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -177,6 +178,8 @@ class RedisTokenStore:
         for attempt in range(self._max_retries + 1):
             try:
                 return await operation()
+            except AuthenticationError:
+                raise  # wrong credentials do not get better by retrying
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 last = exc
                 if attempt < self._max_retries:

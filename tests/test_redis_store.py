@@ -1,0 +1,236 @@
+"""What only the Redis store promises: its layout, construction, and what crosses the wire.
+
+The shared contract runs against Redis from tests/test_store_contract.py; these tests cover
+the rest: one hash per rollout in one Cluster slot, blocks sent once, construction from
+kwargs or a client or the config loader, foreign entry objects, the tombstone TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from capture.config import load_capture_config
+from capture.errors import ConfigError
+from capture.protocols import IntentSink, TokenSink, TokenSource
+from tests.fixtures_stores import make_token_entry
+from transports.redis import RedisTokenSink, RedisTokenSource, RedisTokenStore
+from transports.redis_keys import rollout_key
+
+
+@pytest.fixture
+async def store(redis_url, redis_prefix):
+    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
+    yield made
+    await made.close()
+
+
+@pytest.fixture
+def raw(redis_url):
+    with redis.Redis.from_url(redis_url) as client:
+        yield client
+
+
+def crc16_xmodem(data: bytes) -> int:
+    """CRC16-CCITT (XMODEM), as the Redis Cluster spec defines the key hash."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def cluster_slot(key: bytes) -> int:
+    """The Cluster slot of a key: only the text inside the first non-empty {...} counts."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return crc16_xmodem(key) % 16384
+
+
+def test_crc16_matches_the_cluster_spec_example():
+    assert crc16_xmodem(b"123456789") == 0x31C3  # the spec's reference value
+
+
+async def test_all_keys_of_a_rollout_share_one_cluster_slot(store, raw, redis_prefix):
+    rollout_id = "slot-check.7"
+    for turn, entry in enumerate(_rollout(rollout_id, turns=3)):
+        await store.put(entry)
+        await store.begin_call(rollout_id, f"extra-{turn}")
+    await store.mark_incomplete(rollout_id, "extra-0")
+    keys = list(raw.scan_iter(match=f"{redis_prefix}:*"))
+    assert keys == [rollout_key(redis_prefix, rollout_id).encode()]  # one hash, nothing else
+    tag_slot = crc16_xmodem(rollout_id.encode()) % 16384
+    assert {cluster_slot(key) for key in keys} == {tag_slot}
+    from redis.cluster import key_slot
+
+    assert {key_slot(key) for key in keys} == {tag_slot}
+
+
+async def test_one_hash_with_state_entry_and_block_fields(store, raw, redis_prefix):
+    entries = _rollout("layout", turns=2)
+    for entry in entries:
+        await store.put(entry)
+    await store.begin_call("layout", "pending")
+    fields = {name.decode() for name in raw.hkeys(rollout_key(redis_prefix, "layout"))}
+    assert {"version", "e:turn-00000", "d:turn-00000", "e:turn-00001", "i:pending"} <= fields
+    blocks = {name for name in fields if name.startswith("b:")}
+    # The second prompt extends the first: its leading blocks are the first prompt's.
+    first = -(-len(entries[0].prompt_token_ids) // 256)
+    second = -(-len(entries[1].prompt_token_ids) // 256)
+    shared = len(entries[0].prompt_token_ids) // 256
+    assert len(blocks) == first + second - shared
+
+
+async def test_only_missing_blocks_cross_the_wire(redis_server_factory, redis_prefix):
+    server = redis_server_factory()
+    store = RedisTokenStore(url=server.url, key_prefix=redis_prefix)
+    long_prompt = list(range(20_000))  # 80 kB of packed ids
+    first = make_token_entry("wire", "c-1", prompt=long_prompt, generation=[1])
+    second = make_token_entry("wire", "c-2", prompt=long_prompt + [5] * 300, generation=[2])
+    with redis.Redis.from_url(server.url) as raw:
+        await store.check()
+        before = raw.info("stats")["total_net_input_bytes"]
+        await store.put(first)
+        middle = raw.info("stats")["total_net_input_bytes"]
+        await store.put(second)
+        after = raw.info("stats")["total_net_input_bytes"]
+    await store.close()
+    assert middle - before > 80_000  # the first put sends the whole prompt
+    assert after - middle < 12_000  # the second sends its new tail block, and names
+
+
+async def test_foreign_entry_objects_are_accepted(store):
+    class GymEntry:  # NeMo Gym's TokenEntry, by shape only: plain attributes
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    want = make_token_entry("foreign", "c-1", prompt=[3, 1, 4], generation=[1, 5],
+                            log_probs=[-0.5, -0.25])
+    await store.put(GymEntry(**want.model_dump()))
+
+    class Dumps:  # a pydantic-like object read through model_dump()
+        def model_dump(self):
+            return make_token_entry("foreign", "c-2", prompt=[9], generation=[]).model_dump()
+
+    await store.put(Dumps())
+    snapshot = await store.freeze("foreign")
+    assert [e.model_call_id for e in snapshot.entries] == ["c-1", "c-2"]
+    got = snapshot.entries[0]
+    assert got.model_dump() == want.model_dump()
+    for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        assert type(getattr(got, name)) is list  # plain lists for Gym-style consumers
+    assert got.prompt_token_ids + got.generation_token_ids == [3, 1, 4, 1, 5]
+
+
+def test_aliases_and_protocols(redis_url):
+    assert RedisTokenSink is RedisTokenStore and RedisTokenSource is RedisTokenStore
+    made = RedisTokenSink(url=redis_url)  # built outside any event loop
+    assert isinstance(made, TokenSink)
+    assert isinstance(made, TokenSource)
+    assert isinstance(made, IntentSink)
+    asyncio.run(made.close())
+
+
+def test_unknown_and_missing_kwargs_are_constructor_errors(redis_url):
+    with pytest.raises(TypeError, match="urll"):
+        RedisTokenStore(urll=redis_url)
+    with pytest.raises(TypeError):
+        RedisTokenStore(redis_url)  # keyword arguments only
+    with pytest.raises(ConfigError, match="exactly one of url= or client="):
+        RedisTokenStore()
+    with pytest.raises(ConfigError, match="durability"):
+        RedisTokenStore(url=redis_url, durability="sometimes")
+    with pytest.raises(ConfigError, match="'http'") as info:
+        RedisTokenStore(url="http://user:secret@host")
+    assert "secret" not in str(info.value)
+
+
+async def test_an_existing_client_is_used_and_left_open(redis_url, redis_prefix):
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    made = RedisTokenStore(client=client, key_prefix=redis_prefix)
+    await made.put(make_token_entry("by-client", "c-1", prompt=list(range(300))))
+    snapshot = await made.freeze("by-client")
+    assert snapshot.entries[0].prompt_token_ids == list(range(300))
+    await made.close()
+    assert await client.ping() is True  # not ours to close
+    await client.aclose()
+
+
+async def test_password_in_url(redis_server_factory, redis_prefix):
+    server = redis_server_factory(requirepass="s3cret-pw")
+    url = server.url.replace("redis://", "redis://:s3cret-pw@")
+    made = RedisTokenStore(url=url, key_prefix=redis_prefix, max_retries=0)
+    await made.put(make_token_entry("authed", "c-1"))
+    assert len((await made.freeze("authed")).entries) == 1
+    await made.close()
+    wrong = RedisTokenStore(url=server.url.replace("redis://", "redis://:nope@"),
+                            key_prefix=redis_prefix, max_retries=0)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        await wrong.put(make_token_entry("authed", "c-2"))
+    await wrong.close()
+
+
+def test_rediss_url_is_accepted_for_tls():
+    made = RedisTokenStore(url="rediss://:pw@redis.example.invalid:6380/0")
+    assert made._chosen.mode == "fsync"  # nothing connects until first use
+
+
+async def test_tombstone_expires_after_its_ttl(redis_url, redis_prefix, raw):
+    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, tombstone_ttl_s=30)
+    await made.put(make_token_entry("ttl", "c-1"))
+    snapshot = await made.freeze("ttl")
+    key = rollout_key(redis_prefix, "ttl")
+    assert raw.pttl(key) == -1  # an open or frozen rollout never expires
+    assert await made.drop("ttl", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+    assert 0 < raw.pttl(key) <= 30_000
+    assert {name.decode() for name in raw.hkeys(key)} == {
+        "version", "frozen", "snapshot_id", "incomplete", "retired", "retired_at"
+    }
+    await made.close()
+
+
+async def test_config_loader_builds_the_redis_sink(tmp_path, redis_url, redis_prefix,
+                                                   monkeypatch):
+    monkeypatch.setenv("TOKCAP_REDIS_URL", redis_url)
+    path = tmp_path / "gym.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        env:
+          nemo_gym:
+            token_id_capture:
+              enabled: true
+              sink: transports.redis:RedisTokenSink
+              sink_kwargs: {{url: "${{oc.env:TOKCAP_REDIS_URL}}", key_prefix: {redis_prefix}}}
+              rebuild_response: false
+        """))
+    sink = load_capture_config(str(path)).build_sink()
+    assert isinstance(sink, RedisTokenStore)
+    await sink.put(make_token_entry("configured", "c-1"))
+    source = RedisTokenSource(url=redis_url, key_prefix=redis_prefix)
+    assert len((await source.freeze("configured")).entries) == 1
+    await sink.close()
+    await source.close()
+
+
+def test_config_loader_rejects_unknown_sink_kwargs(redis_url):
+    config = load_capture_config({"token_id_capture": {
+        "enabled": True, "sink": "transports.redis:RedisTokenSink",
+        "sink_kwargs": {"url": redis_url, "prefix": "typo"},
+    }})
+    with pytest.raises(ConfigError, match="prefix"):
+        config.build_sink()
+
+
+def _rollout(rollout_id: str, turns: int) -> list:
+    from tests.fixtures_stores import growing_rollout
+
+    return growing_rollout(rollout_id, turns, system_tokens=600, generated_per_turn=50,
+                           tool_tokens_per_turn=80)
