@@ -25,8 +25,17 @@ async def _file_store(request: pytest.FixtureRequest, tmp_path: Path) -> TokenCa
     return TokenCaptureStore(tmp_path / "captures")
 
 
+async def _redis_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    from transports.redis import RedisTokenStore
+
+    # A key prefix of its own per test, so stores sharing one server never see each other.
+    prefix = request.getfixturevalue("redis_prefix")
+    return RedisTokenStore(url=request.getfixturevalue("redis_url"), key_prefix=prefix)
+
+
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "file": _file_store,
+    "redis": _redis_store,
 }
 
 
