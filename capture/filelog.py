@@ -109,6 +109,22 @@ class LockedLog:
             self._truncate(valid_end)
         return records
 
+    def read_first(self, count: int, max_bytes: int) -> list[dict]:
+        """Up to ``count`` leading records, stopping at one larger than ``max_bytes``."""
+        records: list[dict] = []
+        offset = 0
+        while len(records) < count and offset + _FRAME.size <= self.size:
+            magic, length, _ = _FRAME.unpack(self.pread(_FRAME.size, offset))
+            end = offset + _FRAME.size + length
+            if magic != MAGIC or length > max_bytes or end > self.size:
+                break
+            found, _ = parse(self.pread(end - offset, offset), offset)
+            if not found:
+                break
+            records.append(found[0][1])
+            offset = end
+        return records
+
     def _truncate(self, valid_end: int) -> None:
         # The lock is held, so the torn bytes belong to a writer that died mid-write; its
         # record was never acknowledged.

@@ -30,14 +30,14 @@ from capture.errors import (
     RolloutFrozenError,
     TokenCaptureError,
 )
-from capture.filelog import LockedLog, frame, fsync_dir, locked_log, parse
+from capture.filelog import LockedLog, frame, fsync_dir, locked_log
 from capture.filerecords import RolloutState, entries_from_records, head_record, put_record
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.rollout_ids import validate_rollout_id
 
 LOG_SUFFIX = ".log"
 _CACHED_ROLLOUTS = 1024
-_PEEK_BYTES = 4096
+_PEEK_BYTES = 1 << 20  # a tomb is small; a larger second record is an entry
 
 
 @dataclass
@@ -237,13 +237,12 @@ class TokenCaptureStore:
             if log is None:  # voiding a call of a rollout with no log: nothing to resolve
                 return
             state = self._load(rollout_id, log)
+            if kind == "void" and model_call_id not in state.pending_intents:
+                return  # nothing to resolve, frozen or not
             if state.frozen:
                 raise self._frozen_error(rollout_id, state)
-            if kind == "intent":
-                if model_call_id in state.intents or model_call_id in state.calls:
-                    return
-            elif model_call_id not in state.pending_intents:
-                return
+            if kind == "intent" and (model_call_id in state.intents or model_call_id in state.calls):
+                return  # already recorded, or already resolved by its entry
             self._append(rollout_id, log, state, [{"k": kind, "call": model_call_id}])
 
     def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
@@ -304,8 +303,8 @@ class TokenCaptureStore:
                 if log is None:
                     continue
                 # A tombstone log starts head, tomb: read just that, not a whole open rollout.
-                records, _ = parse(log.pread(_PEEK_BYTES, 0))
-                tomb = records[1][1] if len(records) > 1 else {}
+                records = log.read_first(2, max_bytes=_PEEK_BYTES)
+                tomb = records[1] if len(records) > 1 else {}
                 if tomb.get("k") == "tomb" and tomb["at"] <= cutoff:
                     log.remove()
                     self._remember(rollout_id, None, None)
