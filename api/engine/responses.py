@@ -4,7 +4,8 @@ Field names and presence follow vLLM >= 0.10.2: ``prompt_token_ids`` at the top 
 reply (and of the first stream chunk), ``token_ids`` per choice (and per chunk: the ids
 that chunk adds), ``stop_reason`` beside ``finish_reason``, log-prob tokens as
 ``"token_id:N"`` when ``return_tokens_as_token_ids`` is set, -inf clamped to -9999.0.
-Stream chunks carry only the fields vLLM sets on them (it dumps with exclude_unset).
+Chat stream chunks carry only the fields vLLM sets on them (it dumps them with
+exclude_unset); completion stream chunks carry every field, as vLLM dumps those in full.
 """
 
 from __future__ import annotations
@@ -262,13 +263,13 @@ def completion_stream(
                     ) if opts.logprobs else None,
                     "finish_reason": gen.finish_reason if last else None,
                     "stop_reason": gen.stop_reason if last else None,
+                    "prompt_token_ids": list(prompt_ids)
+                    if opts.return_token_ids and position == 0 else None,
+                    "token_ids": [token_id] if opts.return_token_ids else None,
                 }
-                if opts.return_token_ids:
-                    choice["prompt_token_ids"] = list(prompt_ids) if position == 0 else None
-                    choice["token_ids"] = [token_id]
                 offset += len(delta)
                 completion_tokens += 1
-                chunk = {**head, "choices": [choice]}
+                chunk = {**head, "choices": [choice], "usage": None}
                 if opts.continuous_usage:
                     chunk["usage"] = usage(len(prompt_ids), position + 1)
                 yield _sse(chunk)

@@ -53,7 +53,7 @@ def _options(engine: Engine, req: SamplingFields, prefix: str, prompt_ids: list[
     return responses.ReplyOptions(
         response_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=req.model or engine.settings.model,
+        model=engine.settings.model,  # vLLM answers with the served name
         prompt_ids=prompt_ids,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -118,7 +118,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             return StreamingResponse(
                 responses.chat_stream(tokenizer, gens, opts), media_type="text/event-stream"
             )
-        return responses.chat_completion(tokenizer, gens, opts)
+        return JSONResponse(responses.chat_completion(tokenizer, gens, opts))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -148,18 +148,18 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 responses.completion_stream(tokenizer, batches, opts, n),
                 media_type="text/event-stream",
             )
-        return responses.completion(tokenizer, batches, opts, n)
+        return JSONResponse(responses.completion(tokenizer, batches, opts, n))
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict:
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
         if req.messages is not None:
             text = engine.render_chat(req.messages, req.tools, req.add_generation_prompt)
         else:
             text = req.prompt or ""
         ids = tokenizer.encode(text)
         strs = [tokenizer.hf.id_to_token(i) for i in ids] if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids,
-                "token_strs": strs}
+        return JSONResponse({"count": len(ids), "max_model_len": settings.max_model_len,
+                             "tokens": ids, "token_strs": strs})
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -168,8 +168,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/tokcap/ground_truth")
-    async def ground_truth() -> list[dict]:
-        return engine.ground_truth.records()
+    async def ground_truth() -> JSONResponse:
+        return JSONResponse(engine.ground_truth.records())
 
     @app.delete("/tokcap/ground_truth")
     async def clear_ground_truth() -> Response:
