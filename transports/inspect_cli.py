@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -48,7 +49,9 @@ async def inspect_rollout(rollout_id: str, *, url: str | None = None, dir: str |
     else:
         from transports.redis import RedisTokenStore
 
-        # Read-only: no write needs the durability guarantee, so none is demanded.
+        # Read-only: no write needs the durability guarantee, so none is demanded (and the
+        # store's warning about durability='none' would only confuse a reader).
+        logging.getLogger("tokcap.redis").setLevel(logging.ERROR)
         store = RedisTokenStore(url=url, key_prefix=key_prefix, durability="none")
     try:
         return await store.inspect(rollout_id)

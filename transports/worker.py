@@ -106,6 +106,8 @@ class RebuildWorker:
 
     def stop(self) -> None:
         """Take no new jobs; ``run`` returns once the jobs in flight are finished."""
+        if not self._stop.is_set():
+            log.info("stopping: finishing %d job(s) in flight", len(self._in_flight))
         self._stop.set()
 
     async def start(self) -> None:
@@ -114,7 +116,10 @@ class RebuildWorker:
             self.client.execute_command, self.durability,
             where=self.settings.url, wait_timeout_ms=self.settings.wait_timeout_ms,
         )
-        await ensure_group(self.client, self.settings.jobs_stream, self.settings.group)
+        s = self.settings
+        await ensure_group(self.client, s.jobs_stream, s.group)
+        # Visible in XINFO CONSUMERS from the start, not only after its first job.
+        await self.client.xgroup_createconsumer(s.jobs_stream, s.group, s.consumer)
 
     async def run(self) -> None:
         """Process jobs until ``stop``; in-flight jobs always finish."""
@@ -143,9 +148,7 @@ class RebuildWorker:
                     task = asyncio.create_task(self._run_job(job_id, fields, deliveries))
                     self._in_flight[task] = job_id
                     task.add_done_callback(self._in_flight.pop)
-            if self._in_flight:
-                log.info("stopping: finishing %d job(s) in flight", len(self._in_flight))
-                await asyncio.gather(*self._in_flight, return_exceptions=True)
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
