@@ -328,3 +328,13 @@ async def test_losses_racing_a_freeze_are_never_missed(store, make_entry):
 async def test_close_is_idempotent(store):
     await store.close()
     await store.close()
+
+
+async def test_void_after_freeze(store, make_entry):
+    await store.begin_call("void-late", "c-1")
+    await store.put(make_entry("void-late", "c-2"))
+    snapshot = await store.freeze("void-late")
+    with pytest.raises(RolloutFrozenError):  # the snapshot already counted it as lost
+        await store.void_call("void-late", "c-1")
+    again = await store.freeze("void-late")
+    assert (again.version, again.incomplete) == (snapshot.version, True)
