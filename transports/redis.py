@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgpack
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -27,7 +26,7 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from capture.codec import DEFAULT_BLOCK_SIZE, decode_entry, encode_entry
+from capture.codec import DEFAULT_BLOCK_SIZE, encode_entry
 from capture.errors import (
     ConfigError,
     ConflictingEntryError,
@@ -38,6 +37,7 @@ from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.rollout_ids import validate_rollout_id
 from transports import redis_keys as k
 from transports.durability import Durability, check_durability
+from transports.redis_records import snapshot_of, stored_blocks, stored_body, summary_of
 from transports.redis_watch import Command, execute_raw, watching
 
 T = TypeVar("T")
@@ -229,13 +229,16 @@ class RedisTokenStore:
         call_id = encoded.model_call_id
         digest = encoded.digest.encode()
 
+        body = stored_body(encoded)
+        blocks = stored_blocks(encoded)
+
         def reads(key: str) -> list[Command]:
-            held = [k.field(k.HELD, name) for name in encoded.block_names]
-            fields = [k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), *held]
-            return [("HMGET", key, *fields)]
+            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id))
+            # One HEXISTS per block, all in the same round trip as WATCH: nothing is downloaded.
+            return [state, *(("HEXISTS", key, k.field(k.BLOCK, name)) for name, _ in blocks)]
 
         def decide(key: str, replies: list[Any]) -> Plan:
-            version, frozen, stored, *held = replies[0]
+            (version, frozen, stored), held = replies[0], replies[1:]
             if frozen == b"1":
                 return Plan(error=RolloutFrozenError(
                     f"rollout {entry.rollout_id} is frozen; call {call_id} came too late"
@@ -252,12 +255,11 @@ class RedisTokenStore:
                         "a different payload; the rollout is now marked incomplete"
                     ),
                 )
-            fields: list[Any] = [k.VERSION, _int(version) + 1,
-                                 k.field(k.ENTRY, call_id), encoded.body,
+            fields: list[Any] = [k.VERSION, _int(version) + 1, k.field(k.ENTRY, call_id), body,
                                  k.field(k.DIGEST, call_id), digest]
-            for (name, data), present in zip(encoded.blocks, held, strict=True):
-                if present is None:  # only blocks the hash lacks cross the wire
-                    fields += [k.field(k.BLOCK, name), data, k.field(k.HELD, name), b""]
+            for (name, data), present in zip(blocks, held, strict=True):
+                if not present:  # only blocks the hash lacks cross the wire
+                    fields += [k.field(k.BLOCK, name), data]
             return Plan(writes=[("HSET", key, *fields)])
 
         await self._transact(entry.rollout_id, reads, decide)
@@ -277,19 +279,24 @@ class RedisTokenStore:
         if not isinstance(model_call_id, str) or not model_call_id:
             raise ValueError("model_call_id must be a non-empty string")
         intent = k.field(k.INTENT, model_call_id)
+        entry = k.field(k.ENTRY, model_call_id)
 
         def decide(key: str, replies: list[Any]) -> Plan:
-            version, frozen, current = replies[0]
+            version, frozen, current, stored = replies[0]
+            pending = current == k.INTENT_OPEN and stored is None
+            if value == k.INTENT_VOID and not pending:
+                return Plan()  # nothing to resolve, frozen or not
             if frozen == b"1":
                 return Plan(error=RolloutFrozenError(
-                    f"rollout {rollout_id} is frozen; intent of call {model_call_id} is too late"
+                    f"rollout {rollout_id} is frozen; the {value.decode()} of call "
+                    f"{model_call_id} is too late (the snapshot counts it as it was)"
                 ))
             if current == value:
                 return Plan()
             return Plan(writes=[("HSET", key, intent, value, k.VERSION, _int(version) + 1)])
 
         await self._transact(
-            rollout_id, lambda key: [("HMGET", key, k.VERSION, k.FROZEN, intent)], decide
+            rollout_id, lambda key: [("HMGET", key, k.VERSION, k.FROZEN, intent, entry)], decide
         )
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
@@ -297,7 +304,7 @@ class RedisTokenStore:
         await self._intent(rollout_id, model_call_id, k.INTENT_OPEN)
 
     async def void_call(self, rollout_id: str, model_call_id: str) -> None:
-        """Resolve the intent of a call that returned nothing (not a loss)."""
+        """Resolve a pending intent of a call that returned nothing (not a loss)."""
         await self._intent(rollout_id, model_call_id, k.INTENT_VOID)
 
     # -- source --------------------------------------------------------------------------
@@ -318,7 +325,7 @@ class RedisTokenStore:
         fields, version, snapshot_id = await self._transact(
             rollout_id, lambda key: [("HGETALL", key)], decide
         )
-        return _snapshot(rollout_id, fields, version, snapshot_id.decode())
+        return snapshot_of(rollout_id, fields, version, snapshot_id.decode())
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """Retire exactly this snapshot, keeping a tombstone; False if anything changed."""
@@ -388,74 +395,8 @@ class RedisTokenStore:
         fields = _pairs(
             await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
         )
-        return _summary(rollout_id, fields)
+        return summary_of(rollout_id, fields)
 
-
-def _split(fields: dict[bytes, bytes]) -> dict[str, dict[str, bytes]]:
-    kinds: dict[str, dict[str, bytes]] = {kind: {} for kind in (k.ENTRY, k.INTENT, k.MARK, k.BLOCK)}
-    for name, value in fields.items():
-        kind, rest = k.split_field(name)
-        if kind in kinds:
-            kinds[kind][rest] = value
-    return kinds
-
-
-def _snapshot(
-    rollout_id: str, fields: dict[bytes, bytes], version: int, snapshot_id: str
-) -> TokenCaptureSnapshot:
-    kinds = _split(fields)
-    bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
-    entries = tuple(decode_entry(bodies[call_id], blocks) for call_id in sorted(bodies))
-    reasons = [f"call {call_id or '(rollout)'}: {reason.decode()}"
-               for call_id, reason in sorted(kinds[k.MARK].items())]
-    pending = sorted(call_id for call_id, value in kinds[k.INTENT].items()
-                     if value == k.INTENT_OPEN and call_id not in bodies)
-    reasons += [f"call {call_id}: intent without entry" for call_id in pending]
-    retired = fields.get(k.RETIRED.encode()) == b"1"
-    if retired:  # its entries are gone, so it can no longer be rebuilt
-        reasons.append("rollout retired: its entries were dropped")
-    incomplete = fields.get(k.INCOMPLETE.encode()) == b"1" or bool(pending) or retired
-    return TokenCaptureSnapshot(
-        rollout_id=rollout_id,
-        entries=entries,
-        incomplete=incomplete,
-        snapshot_id=snapshot_id,
-        version=version,
-        incomplete_reasons=tuple(reasons),
-    )
-
-
-def _summary(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
-    kinds = _split(fields)
-    bodies = kinds[k.ENTRY]
-    pending = [c for c, v in kinds[k.INTENT].items() if v == k.INTENT_OPEN and c not in bodies]
-    prompt_max, generated = 0, 0
-    for body in bodies.values():
-        data = msgpack.unpackb(body, raw=False)
-        prompt_max = max(prompt_max, data["prompt_len"])
-        generated += len(data["generation"]) // 4
-    retired = fields.get(k.RETIRED.encode()) == b"1"
-    if not fields:
-        state = "absent"
-    elif retired:
-        state = "retired"
-    elif fields.get(k.FROZEN.encode()) == b"1":
-        state = "frozen"
-    else:
-        state = "open"
-    snapshot_id = fields.get(k.SNAPSHOT_ID.encode())
-    return {
-        "rollout_id": rollout_id,
-        "state": state,
-        "calls": len(bodies),
-        "pending_intents": len(pending),
-        "incomplete": fields.get(k.INCOMPLETE.encode()) == b"1",  # marked lost (intents aside)
-        "version": _int(fields.get(k.VERSION.encode())),
-        "snapshot_id": snapshot_id.decode() if snapshot_id else "",
-        "prompt_tokens_max": prompt_max,
-        "generated_tokens": generated,
-        "tombstone": retired,
-    }
 
 
 RedisTokenSink = RedisTokenStore

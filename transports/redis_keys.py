@@ -24,8 +24,7 @@ ENTRY = "e:"  # e:<model_call_id> -> codec body
 DIGEST = "d:"  # d:<model_call_id> -> payload digest (idempotency check)
 INTENT = "i:"  # i:<model_call_id> -> OPEN or VOID
 MARK = "m:"  # m:<model_call_id> -> why the call was lost ("" call id: the rollout as a whole)
-BLOCK = "b:"  # b:<block name> -> packed prompt tokens
-HELD = "h:"  # h:<block name> -> "" (a tiny marker so a writer can ask which blocks exist)
+BLOCK = "b:"  # b:<block name> -> parent block digest (16 bytes) + packed prompt tokens
 
 INTENT_OPEN = b"open"
 INTENT_VOID = b"void"
