@@ -138,11 +138,12 @@ class TokenCaptureStore:
 
     def _path(self, rollout_id: str) -> str:
         validate_rollout_id(rollout_id)
-        path = self.dir / f"{rollout_id}{LOG_SUFFIX}"
+        directory = str(self.dir)
+        path = os.path.join(directory, rollout_id + LOG_SUFFIX)
         # The id pattern already forbids separators and leading dots; this is the backstop.
-        if path.parent != self.dir:
-            raise ValueError(f"rollout id {rollout_id!r} escapes {self.dir}")
-        return str(path)
+        if os.path.dirname(path) != directory:
+            raise ValueError(f"rollout id {rollout_id!r} escapes {directory}")
+        return path
 
     def _load(self, rollout_id: str, log: LockedLog) -> RolloutState:
         """The rollout's current state, reading only what was appended since last time."""

@@ -51,17 +51,20 @@ async def main(directory, writer, count):
 asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """
 
-CRASHING_WRITER = """
+CRASH_TURNS = 120
+CRASHING_WRITER = f"""
 import asyncio, os, sys
+CRASH_TURNS = {CRASH_TURNS}
 from capture.store import TokenCaptureStore
 from tests.fixtures_stores import growing_rollout
 
 async def main(directory, acks_path):
     store = TokenCaptureStore(directory)
     acks = os.open(acks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for entry in growing_rollout("crash", 400, system_tokens=2000):
+    for entry in growing_rollout("crash", CRASH_TURNS, system_tokens=1000):
         await store.put(entry)
         os.write(acks, (entry.model_call_id + "\\n").encode())  # only after put returned
+    await asyncio.sleep(60)  # a fast child still waits for its kill
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
@@ -149,7 +152,9 @@ async def test_acknowledged_entries_survive_a_killed_writer(tmp_path):
     data = log_path.read_bytes()
     assert len(data) < torn_size + 200_000
     assert parse(data)[1] == len(data)  # no torn bytes left anywhere in the log
-    expected = {e.model_call_id: e for e in growing_rollout("crash", 400, system_tokens=2000)}
+    expected = {
+        e.model_call_id: e for e in growing_rollout("crash", CRASH_TURNS, system_tokens=1000)
+    }
     expected["after-crash"] = late
     stored = {e.model_call_id: e for e in snapshot.entries}
     assert set(acknowledged) <= stored.keys()
