@@ -1,10 +1,11 @@
 """The tokcap engine's HTTP app: vLLM's OpenAI-compatible routes plus the ground truth.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /v1/models``, ``GET /health``, and ``GET``/``DELETE
-/tokcap/ground_truth`` (every sampled sequence, for tests and the demo). Errors use
-vLLM's body ``{"error": {"message", "type", "param", "code"}}``; an invalid body is a 400,
-as in vLLM, not FastAPI's 422.
+``POST /detokenize``, ``GET /v1/models``, ``GET /health``, ``GET /version``, and
+``GET``/``DELETE /tokcap/ground_truth`` (every sampled sequence, for tests and the demo).
+Errors use vLLM's body ``{"error": {"message", "type", "param", "code"}}``; an invalid
+body is a 400, as in vLLM, not FastAPI's 422. Any ``model`` name is accepted (vLLM would
+answer 404 for a name it does not serve); replies carry the served name.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from .protocol import (
 )
 from .settings import EngineSettings
 from .template import messages_from_prompt, tools_from_prompt
+
+VLLM_VERSION = "0.10.2"  # the vLLM release whose OpenAI server shapes this engine follows
 
 
 def error_response(message: str, status: int = 400, kind: str = "BadRequestError") -> JSONResponse:
@@ -82,6 +85,10 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VLLM_VERSION}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -168,8 +175,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/tokcap/ground_truth")
-    async def ground_truth() -> JSONResponse:
-        return JSONResponse(engine.ground_truth.records())
+    async def ground_truth() -> Response:
+        return Response(engine.ground_truth.json_text(), media_type="application/json")
 
     @app.delete("/tokcap/ground_truth")
     async def clear_ground_truth() -> Response:
