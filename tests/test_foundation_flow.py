@@ -212,7 +212,7 @@ async def test_lost_call_masks_and_is_never_retired(tmp_path, monkeypatch):
     assert (await sink.inspect("lost-call-1"))["state"] == "frozen"
     guard = MaskFractionGuard(0.5, min_samples=2)
     guard.observe(False)
+    guard.observe_record(record)  # 1 of 2 masked: at the limit, not above it
     with pytest.raises(MaskFractionExceeded, match="above max_mask_fraction"):
-        guard.observe_record(record)  # 1 of 2 masked: at the limit, not above it
         guard.observe_record(record)  # 2 of 3
     await sink.close()
