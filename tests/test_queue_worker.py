@@ -233,9 +233,10 @@ async def test_unacked_results_are_delivered_again(redis_url: str, redis_prefix:
     await asyncio.wait_for(task, 30)
 
 
-def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "api.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=60)
+def _cli(command: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run one subcommand's module, as ``tokcap <command>`` would."""
+    return subprocess.run([sys.executable, "-m", f"transports.{command}_cli", *args],
+                          input=stdin, capture_output=True, text=True, timeout=60)
 
 
 async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tmp_path) -> None:
@@ -257,5 +258,26 @@ async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tm
                                       "--key-prefix", redis_prefix, "--json")
     info = json.loads(as_json.stdout)
     assert info["calls"] == 3 and info["state"] == "open" and info["tombstone"] is False
-    helped = await asyncio.to_thread(_cli, "worker", "--help")
+    helped = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "api.cli", "worker", "--help"],
+        capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0 and "--concurrency" in helped.stdout
+
+
+async def test_inspect_command_reads_a_file_store(tmp_path) -> None:
+    from capture.store import TokenCaptureStore
+
+    store = TokenCaptureStore(tmp_path / "captures")
+    try:
+        for entry in rollout_entries("file-1", 2):
+            await store.put(entry)
+        await store.freeze("file-1")
+    finally:
+        await store.close()
+    shown = await asyncio.to_thread(_cli, "inspect", "file-1", "--dir", str(tmp_path / "captures"),
+                                    "--json")
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert info["state"] == "frozen" and info["calls"] == 2 and info["generated_tokens"] == 12
+    missing = await asyncio.to_thread(_cli, "inspect", "file-1", "--dir", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "not a directory" in missing.stderr

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capture.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
@@ -144,6 +145,12 @@ class RebuildWorker:
                     log.warning("cannot read jobs (%s); retrying in 1 s", exc)
                     await asyncio.sleep(1.0)
                     continue
+                except ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    log.warning("the jobs stream or group was deleted; creating it again")
+                    await self.start()
+                    continue
                 for job_id, fields, deliveries in jobs:
                     task = asyncio.create_task(self._run_job(job_id, fields, deliveries))
                     self._in_flight[task] = job_id
@@ -172,7 +179,11 @@ class RebuildWorker:
         reply = await self.client.xautoclaim(
             s.jobs_stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=count
         )
-        claimed = [(_text(job_id), fields) for job_id, fields in reply[1]]
+        # A job still in flight here was only idle because a long build held the event loop;
+        # running it twice would be safe (publish once, drop idempotent) but wasteful.
+        mine = set(self._in_flight.values())
+        claimed = [(_text(job_id), fields) for job_id, fields in reply[1]
+                   if _text(job_id) not in mine]
         if not claimed:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
@@ -233,7 +244,7 @@ class RebuildWorker:
         s = self.settings
         rollout_id, record = decode_job(fields)
         built = await finalize_rollout_token_capture(record, self.source)
-        if not built.ok:
+        if built.error:
             await self._raise_if_unreachable(built.error)
         result_id, fresh = await self._publish(job_id, rollout_id, record, built)
         if fresh:

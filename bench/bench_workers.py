@@ -1,0 +1,189 @@
+"""Rollouts rebuilt per second by 1 and 2 rebuild worker processes (not a test).
+
+A private redis-server (AOF, appendfsync always) on a free port holds synthetic tool-using
+rollouts (each call's prompt extends the previous prompt + generation with tool output).
+For each worker count the rollouts are written fresh, the workers are started and have
+joined the consumer group, then every job is submitted at once; the clock runs from the
+first submit until the last job is acked. Worker start-up is not counted.
+
+    .venv/bin/python bench/bench_workers.py [--rollouts 40] [--turns 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from capture.records import TokenEntry  # noqa: E402
+from transports.queue import RebuildQueue, stream_names  # noqa: E402
+from transports.redis import RedisTokenStore  # noqa: E402
+from transports.results import ensure_group  # noqa: E402
+
+VOCAB = 151_000
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_redis(data_dir: str) -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server is not installed (apt-get install -y redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", data_dir, "--save", "",
+         "--appendonly", "yes", "--appendfsync", "always", "--logfile", "server.log"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def rollout_entries(rollout_id: str, args: argparse.Namespace) -> list[TokenEntry]:
+    rng = random.Random(rollout_id)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(args.system)]
+    entries = []
+    for turn in range(args.turns):
+        generation = [rng.randrange(1, VOCAB) for _ in range(args.gen)]
+        last = turn == args.turns - 1
+        item = ({"type": "message", "role": "assistant",
+                 "content": [{"type": "output_text", "text": f"done {rollout_id}"}]}
+                if last else {"type": "function_call", "call_id": f"c{turn}", "name": "bash",
+                              "arguments": f'{{"command": "step {turn}"}}'})
+        entries.append(TokenEntry(
+            rollout_id=rollout_id, model_call_id=f"mc-{turn:05d}", model="policy",
+            prompt_token_ids=list(prompt), generation_token_ids=generation,
+            generation_log_probs=[-rng.random() for _ in generation], output_items=[item],
+            token_item_index=0, created_at=1_000.0 + turn,
+        ))
+        prompt = prompt + generation + [rng.randrange(1, VOCAB) for _ in range(args.tool)]
+    return entries
+
+
+async def populate(url: str, prefix: str, rollout_ids: list[str], args) -> None:
+    store = RedisTokenStore(url=url, key_prefix=prefix)
+    try:
+        async def one(rollout_id: str) -> None:
+            for entry in rollout_entries(rollout_id, args):
+                await store.put(entry)
+
+        await asyncio.gather(*(one(rollout_id) for rollout_id in rollout_ids))
+    finally:
+        await store.close()
+
+
+async def measure(url: str, workers: int, args, log_dir: str) -> dict[str, float]:
+    prefix = f"bench{workers}"
+    jobs, results, dead = stream_names(prefix)
+    rollout_ids = [f"r{workers}-{n:04d}" for n in range(args.rollouts)]
+    await populate(url, prefix, rollout_ids, args)
+    client = aioredis.Redis.from_url(url)
+    await ensure_group(client, jobs, "rebuild")
+    procs = []
+    logs = []
+    try:
+        for n in range(workers):
+            log = open(os.path.join(log_dir, f"w{workers}-{n}.log"), "wb")  # noqa: SIM115
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "transports.worker_cli", "--url", url,
+                 "--key-prefix", prefix, "--consumer", f"w{n}", "--concurrency",
+                 str(args.concurrency), "--block-ms", "50", "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            ))
+        while len(await client.xinfo_consumers(jobs, "rebuild")) < workers:
+            if any(proc.poll() is not None for proc in procs):
+                sys.exit(f"a worker exited early; see {log_dir}")
+            await asyncio.sleep(0.05)
+        async with RebuildQueue(client=client, stream=jobs) as queue:
+            started = time.perf_counter()
+            for rollout_id in rollout_ids:
+                await queue.submit({"_ng_rollout_id": rollout_id, "reward": 1.0, "response": {
+                    "output": [{"type": "message", "role": "assistant",
+                                "content": [{"type": "output_text", "text": f"done {rollout_id}"}]}]}})
+        while True:
+            done = await client.xlen(results)
+            pending = (await client.xpending(jobs, "rebuild"))["pending"]
+            if done >= args.rollouts and pending == 0 and await client.xlen(jobs) == 0:
+                break
+            if any(proc.poll() is not None for proc in procs):
+                sys.exit(f"a worker exited early; see {log_dir}")
+            await asyncio.sleep(0.01)
+        elapsed = time.perf_counter() - started
+        result_bytes = await client.memory_usage(results) or 0
+        masked = sum(1 for _, f in await client.xrange(results) if f[b"masked"] == b"1")
+        return {"workers": workers, "seconds": elapsed, "rate": args.rollouts / elapsed,
+                "dead": await client.xlen(dead), "masked": masked,
+                "result_kib": result_bytes / args.rollouts / 1024}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+        for log in logs:
+            log.close()
+        await client.aclose()
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="tokcap-bench-") as tmp:
+        server, url = start_redis(tmp)
+        try:
+            client = aioredis.Redis.from_url(url)
+            for _ in range(200):
+                try:
+                    await client.ping()
+                    break
+                except Exception:
+                    await asyncio.sleep(0.05)
+            await client.aclose()
+            final = args.system + args.turns * (args.gen + args.tool)
+            console.print(f"{args.rollouts} rollouts x {args.turns} turns (final context "
+                          f"{final} tokens), {os.cpu_count()} cores, concurrency "
+                          f"{args.concurrency} per worker")
+            rows = [await measure(url, workers, args, tmp) for workers in (1, 2)]
+        finally:
+            os.kill(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+    table = Table(title="rebuild workers")
+    for column in ("workers", "seconds", "rollouts/s", "result KiB/rollout", "masked", "dead"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(str(row["workers"]), f"{row['seconds']:.2f}", f"{row['rate']:.1f}",
+                      f"{row['result_kib']:.0f}", str(row["masked"]), str(row["dead"]))
+    console.print(table)
+    console.print(f"speed-up 2 vs 1 workers: {rows[1]['rate'] / rows[0]['rate']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=40)
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--system", type=int, default=500, help="system prompt tokens")
+    parser.add_argument("--gen", type=int, default=20, help="generated tokens per turn")
+    parser.add_argument("--tool", type=int, default=30, help="tool output tokens per turn")
+    parser.add_argument("--concurrency", type=int, default=2, help="jobs at once per worker")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
