@@ -1,0 +1,274 @@
+"""Capture and rebuild on a synthetic agent rollout: put latency, bytes stored, freeze+rebuild.
+
+Run: ``.venv/bin/python bench/bench_capture.py`` (``--turns 50 200 --repeat 5``).
+
+The rollout is what an agent loop sends: a 2,000-token system prompt, then per turn 200
+generated and 300 tool-output tokens, ids drawn from a 151,000-token vocabulary (seeded).
+Every call re-sends the whole history, so a naive store grows with turns x context.
+
+Each figure is printed next to a baseline measured in the same run, as a ratio, because
+absolute times on a shared machine drift:
+- put p50 vs a bare write+fsync of the same number of bytes in the same directory;
+- stored bytes vs the raw final context (4 bytes per id + 8 bytes per generated log-prob);
+- freeze + rebuild vs the decode floor (unpacking every call's ids into lists, the least
+  any reader must do to hand the builder its entries).
+
+Another store gets a column by adding a ``StoreKind`` to ``STORE_KINDS`` (say, Redis: an
+``open`` that connects to a scratch server and a ``stored_bytes`` that sums MEMORY USAGE of
+the rollout's key), or by calling ``bench_store(kind, turns)`` from another script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from capture.builder import run_builder  # noqa: E402
+from capture.codec import encode_entry  # noqa: E402
+from capture.records import TokenEntry  # noqa: E402
+from capture.store import TokenCaptureStore  # noqa: E402
+
+SYSTEM_TOKENS = 2_000
+GENERATED_PER_TURN = 200
+TOOL_PER_TURN = 300
+VOCAB = 151_000
+TARGETS = {"put_p50_ms": 2.0, "bytes_ratio": 1.5, "rebuild_ms": {50: 50.0, 200: 200.0}}
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    """How to open one kind of store in a scratch place and measure what it holds."""
+
+    name: str
+    open: Callable[[Path], Awaitable[Any]]  # scratch dir -> an open sink/source
+    stored_bytes: Callable[[Any, Path, str], Awaitable[int]]  # (store, dir, rollout) -> bytes
+
+
+async def _open_file_store(scratch: Path) -> TokenCaptureStore:
+    return TokenCaptureStore(scratch / "captures")
+
+
+async def _file_store_bytes(store: Any, scratch: Path, rollout_id: str) -> int:
+    root = scratch / "captures"
+    return sum(path.stat().st_size for path in root.iterdir() if path.is_file())
+
+
+STORE_KINDS: dict[str, StoreKind] = {
+    "file": StoreKind("file", _open_file_store, _file_store_bytes),
+}
+
+
+def synthetic_rollout(rollout_id: str, turns: int, seed: int = 0) -> list[TokenEntry]:
+    """The agent loop described in the module docstring, as the server would capture it."""
+    rng = random.Random(seed)
+    context = [rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)]
+    entries = []
+    for turn in range(turns):
+        generation = [rng.randrange(VOCAB) for _ in range(GENERATED_PER_TURN)]
+        last = turn == turns - 1
+        item = (
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "All tests pass.", "annotations": []}]}
+            if last
+            else {"type": "function_call", "call_id": f"toolu_{turn}", "name": "Bash",
+                  "arguments": '{"command": "pytest -q"}'}
+        )
+        entries.append(
+            TokenEntry(
+                rollout_id=rollout_id,
+                model_call_id=f"call-{turn:05d}",
+                model="policy",
+                prompt_token_ids=list(context),
+                generation_token_ids=generation,
+                generation_log_probs=[-5.0 * rng.random() for _ in generation],
+                output_items=[item],
+                token_item_index=0,
+                created_at=1_700_000_000.0 + turn,
+            )
+        )
+        context += generation + [rng.randrange(VOCAB) for _ in range(TOOL_PER_TURN)]
+    return entries
+
+
+def raw_final_context_bytes(entries: list[TokenEntry]) -> int:
+    """The training payload itself: every id of the final context + generated log-probs."""
+    last = entries[-1]
+    ids = len(last.prompt_token_ids) + len(last.generation_token_ids)
+    generated = sum(len(e.generation_token_ids) for e in entries)
+    return 4 * ids + 8 * generated
+
+
+def new_bytes_per_put(entries: list[TokenEntry]) -> list[int]:
+    """Bytes each put adds under block sharing: its body plus the blocks not seen before."""
+    seen: set[str] = set()
+    sizes = []
+    for entry in entries:
+        encoded = encode_entry(entry)
+        fresh = [(name, block) for name, block in encoded.blocks if name not in seen]
+        seen.update(name for name, _ in fresh)
+        sizes.append(len(encoded.body) + sum(len(block) for _, block in fresh))
+    return sizes
+
+
+class FsyncBaseline:
+    """A bare append + fsync of a given byte count: the floor of any durable put.
+
+    Interleaved with the puts, so both see the same disk and the same neighbours.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "fsync-baseline.bin"
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write_ms(self, size: int) -> float:
+        payload = os.urandom(size)
+        start = time.perf_counter()
+        os.write(self.fd, payload)
+        os.fsync(self.fd)
+        return (time.perf_counter() - start) * 1000
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.path.unlink()
+
+
+def decode_floor_ms(entries: list[TokenEntry]) -> float:
+    """Unpack every call's ids from packed bytes into lists: what any reader must do."""
+    packed = [
+        (array("I", e.prompt_token_ids).tobytes(), array("I", e.generation_token_ids).tobytes())
+        for e in entries
+    ]
+    start = time.perf_counter()
+    for prompt, generation in packed:
+        array("I", prompt).tolist()
+        array("I", generation).tolist()
+    return (time.perf_counter() - start) * 1000
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def bench_store(kind: StoreKind, turns: int, repeat: int = 5) -> dict[str, Any]:
+    """Figures of one store kind at one rollout length (all measured in this call)."""
+    rollout_id = f"bench-{kind.name}-{turns}"
+    entries = synthetic_rollout(rollout_id, turns)
+    final_answer = [dict(entries[-1].output_items[0])]
+    with tempfile.TemporaryDirectory(prefix="tokcap-bench-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        scratch = Path(tmp)
+        sizes = new_bytes_per_put(entries)
+        baseline = FsyncBaseline(scratch)
+        sink = await kind.open(scratch)
+        put_ms, baseline_ms = [], []
+        try:
+            for entry, size in zip(entries, sizes, strict=True):
+                await sink.begin_call(rollout_id, entry.model_call_id)
+                start = time.perf_counter()
+                await sink.put(entry)
+                put_ms.append((time.perf_counter() - start) * 1000)
+                baseline_ms.append(baseline.write_ms(size))
+        finally:
+            baseline.close()
+        try:
+            stored = await kind.stored_bytes(sink, scratch, rollout_id)
+        finally:
+            await sink.close()
+
+        # The trainer's side: its own source object, as a separate process would have.
+        rebuild_ms, freeze_ms, build_ms, floor_ms = [], [], [], []
+        for _ in range(repeat):
+            floor_ms.append(decode_floor_ms(entries))
+            source = await kind.open(scratch)
+            try:
+                start = time.perf_counter()
+                snapshot = await source.freeze(rollout_id)
+                frozen = time.perf_counter()
+                build = run_builder(snapshot, final_answer=final_answer)
+                done = time.perf_counter()
+            finally:
+                await source.close()
+            freeze_ms.append((frozen - start) * 1000)
+            build_ms.append((done - frozen) * 1000)
+            rebuild_ms.append((done - start) * 1000)
+        if build.masked or len(build.main_chain) != turns:
+            raise RuntimeError(f"rebuild went wrong: {build.mask_reasons or build.main_chain}")
+    raw = raw_final_context_bytes(entries)
+    return {
+        "store": kind.name,
+        "turns": turns,
+        "final_context_tokens": len(entries[-1].prompt_token_ids) + GENERATED_PER_TURN,
+        "put_p50_ms": statistics.median(put_ms),
+        "put_p95_ms": percentile(put_ms, 0.95),
+        "fsync_p50_ms": statistics.median(baseline_ms),
+        "stored_bytes": stored,
+        "raw_bytes": raw,
+        "freeze_ms": statistics.median(freeze_ms),
+        "build_ms": statistics.median(build_ms),
+        "rebuild_ms": statistics.median(rebuild_ms),
+        "rebuild_first_ms": rebuild_ms[0],
+        "decode_floor_ms": statistics.median(floor_ms),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'store':6} {'turns':>5} {'ctx tok':>8} | {'put p50':>8} {'p95':>7} "
+        f"{'fsync':>7} {'x':>5} | {'stored MB':>9} {'raw MB':>7} {'x':>5} | "
+        f"{'freeze':>7} {'build':>7} {'f+b':>7} {'floor':>7} {'x':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['store']:6} {r['turns']:>5} {r['final_context_tokens']:>8} | "
+            f"{r['put_p50_ms']:>6.2f}ms {r['put_p95_ms']:>5.2f}ms {r['fsync_p50_ms']:>5.2f}ms "
+            f"{r['put_p50_ms'] / max(r['fsync_p50_ms'], 1e-9):>5.2f} | "
+            f"{r['stored_bytes'] / 1e6:>9.3f} {r['raw_bytes'] / 1e6:>7.3f} "
+            f"{r['stored_bytes'] / r['raw_bytes']:>5.2f} | "
+            f"{r['freeze_ms']:>5.1f}ms {r['build_ms']:>5.1f}ms {r['rebuild_ms']:>5.1f}ms "
+            f"{r['decode_floor_ms']:>5.1f}ms {r['rebuild_ms'] / max(r['decode_floor_ms'], 1e-9):>5.2f}"
+        )
+    print()
+    print("x columns: put p50 / bare write+fsync p50; stored / raw final context "
+          "(4 B per id + 8 B per generated log-prob); freeze+build / decode floor.")
+    for r in rows:
+        rebuild_target = TARGETS["rebuild_ms"].get(r["turns"])
+        checks = [
+            f"put p50 {r['put_p50_ms']:.2f} ms (target <= {TARGETS['put_p50_ms']})",
+            f"bytes x{r['stored_bytes'] / r['raw_bytes']:.2f} (target <= {TARGETS['bytes_ratio']})",
+        ]
+        if rebuild_target:
+            checks.append(f"freeze+rebuild {r['rebuild_ms']:.1f} ms (target <= {rebuild_target})")
+        print(f"{r['store']} @ {r['turns']} turns: " + "; ".join(checks))
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, nargs="+", default=[50, 200])
+    parser.add_argument("--stores", nargs="+", default=list(STORE_KINDS), choices=list(STORE_KINDS))
+    parser.add_argument("--repeat", type=int, default=5, help="freeze+rebuild repetitions")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.stores:
+        for turns in args.turns:
+            rows.append(await bench_store(STORE_KINDS[name], turns, args.repeat))
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
