@@ -158,10 +158,13 @@ def entries_from_records(records: Iterable[dict[str, Any]]) -> list[TokenEntry]:
             tip = record["tip"]
             tails[parents[tip]] = (tip, blocks[tip])
     entries = []
+    cache: dict[str, list[int]] = {}  # blocks shared by the entries are unpacked once
     for record in puts:
         body = msgpack.unpackb(record["body"], raw=False)
         body["prompt_blocks"] = _chain(record["tip"], record["n_blocks"], parents)
-        entries.append(decode_entry(msgpack.packb(body, use_bin_type=True), blocks))
+        entries.append(
+            decode_entry(msgpack.packb(body, use_bin_type=True), blocks, cache=cache, trusted=True)
+        )
     return entries
 
 
