@@ -125,11 +125,11 @@ def responses_events(reply: Mapping[str, Any]) -> Iterator[bytes]:
     """response.created ... one item at a time ... response.completed (or .incomplete)."""
     sequence = 0
 
-    def emit(name: str, **fields: Any) -> bytes:
+    def emit(kind: str, /, **fields: Any) -> bytes:
         nonlocal sequence
-        body = {"type": name, "sequence_number": sequence, **fields}
+        body = {"type": kind, "sequence_number": sequence, **fields}
         sequence += 1
-        return event(name, body)
+        return event(kind, body)
 
     opening = {**copy.deepcopy(dict(reply)), "status": "in_progress", "output": [], "usage": None}
     yield emit("response.created", response=opening)
