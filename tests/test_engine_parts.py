@@ -150,6 +150,27 @@ def test_pseudo_model_is_a_normalized_distribution(temperature, top_p):
     assert other != model.step([5, 6, 7], 42, temperature=temperature, top_p=1.0).logprob
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.5, 0.8)])
+def test_pseudo_model_samples_from_the_distribution_it_reports(temperature, top_p):
+    model = PseudoModel(301)
+    allowed = list(range(0, 301, 3))
+    rng = random.Random(5)
+    draws = 4000
+    counts: dict[int, int] = {}
+    reported: dict[int, float] = {}
+    for _ in range(draws):
+        step = model.sample([9, 9], allowed, rng, temperature=temperature, top_p=top_p, top_k=3)
+        assert step.token_id in allowed and step.top[0] == (step.token_id, step.logprob)
+        counts[step.token_id] = counts.get(step.token_id, 0) + 1
+        reported[step.token_id] = step.logprob
+    assert sum(math.exp(lp) for lp in reported.values()) == pytest.approx(1.0, abs=0.02)
+    for token, count in counts.items():
+        p = math.exp(reported[token])
+        assert abs(count / draws - p) < 4 * math.sqrt(p * (1 - p) / draws) + 1e-3
+    greedy = model.sample([9, 9], allowed, rng, temperature=0.0, top_p=1.0)
+    assert greedy.token_id == max(reported, key=reported.get)
+
+
 def test_scripted_policy_by_turn_index_regex_and_default():
     policy = ScriptedPolicy({
         "entries": [
@@ -177,6 +198,7 @@ def test_random_policy_is_seeded():
     first = [policy.reply(conversation, random.Random(s)) for s in range(8)]
     assert first == [policy.reply(conversation, random.Random(s)) for s in range(8)]
     assert len({repr(r) for r in first}) > 1
+    assert any(r.sampled_words for r in first), "the engine samples the text"
     assert any(r.tool_calls for r in first) and all(
         name == "Bash" and isinstance(args["command"], str) for r in first for name, args in r.tool_calls)
 

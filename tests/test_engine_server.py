@@ -155,9 +155,7 @@ def test_seed_determinism_and_generation_config_defaults(random_base):
     assert len(short["choices"][0]["token_ids"]) == 6
     hot = post(random_base, "/v1/chat/completions",
                {**body, "temperature": 1.0, "top_p": 1.0}).json()["choices"][0]
-    assert hot["token_ids"] == one["token_ids"]
-    assert [e["logprob"] for e in hot["logprobs"]["content"]] != [
-        e["logprob"] for e in one["logprobs"]["content"]], "temperature/top_p change log-probs"
+    assert hot != one, "temperature/top_p change the draws or their log-probs"
 
 
 def test_stop_strings_max_tokens_and_max_completion_tokens(base):

@@ -1,8 +1,11 @@
 """One generation: policy reply -> planned token ids -> scored, stopped, parsed sequence.
 
-The engine encodes the policy's text canonically and appends ``<|im_end|>``; with the
-``noncanonical_rate`` knob some tokens are replaced by two vocabulary tokens with the same
-bytes. Every emitted token gets its log-prob from the pseudo-model at its true position.
+The engine encodes the policy's text canonically and appends ``<|im_end|>``; where the
+policy leaves words free (random policy) the pseudo-model samples them with the request's
+seed, from a vocabulary mask under which any run of words re-encodes to itself. With the
+``noncanonical_rate`` knob some planned tokens are replaced by two vocabulary tokens with
+the same bytes. Every emitted token gets its log-prob from the pseudo-model at its true
+position.
 Stop strings, ``max_tokens`` and the end token end the sequence the way vLLM ends it: the
 token that completes a stop string is kept in the ids, the stop string is cut from the text.
 """
@@ -13,7 +16,7 @@ import itertools
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .ground_truth import GroundTruthLog
 from .policies import Conversation, Policy, Reply, make_policy, reply_text
@@ -22,6 +25,11 @@ from .settings import EngineSettings
 from .template import COMPACT_SEPARATORS, TEMPLATE_SEPARATORS, render
 from .tokenizer import EngineTokenizer, StreamDecoder, load_tokenizer
 from .tool_parser import ParsedReply, parse_reply
+
+# Placeholders in a plan: the model samples an opening word / a following word there.
+SAMPLE_FIRST, SAMPLE_WORD = -1, -2
+_MARK = "\x00sampled\x00"
+_PROBE = "A"
 
 
 class ContextLengthError(ValueError):
@@ -106,14 +114,35 @@ class Engine:
             return Reply(reply.think, "", ((names[0], {}),))
         return reply
 
+    def _encode_before_word(self, text: str) -> list[int]:
+        """Ids of ``text`` as they come out when a word follows it (trailing blanks split
+        differently at the end of a string than before a letter)."""
+        if not text:
+            return []
+        probe = self.tokenizer.encode(_PROBE)
+        ids = self.tokenizer.encode(text + _PROBE)
+        if ids[-len(probe):] == probe:
+            return ids[: -len(probe)]
+        return self.tokenizer.encode(text)
+
     def plan(self, reply: Reply, rng: random.Random) -> list[int]:
+        """Planned ids, with SAMPLE_* placeholders where the model draws a word."""
         separators = COMPACT_SEPARATORS if self.settings.json_reserialize else TEMPLATE_SEPARATORS
-        ids = self.tokenizer.encode(reply_text(reply, separators))
+        if reply.sampled_words:
+            marked = replace(reply, text=_MARK, sampled_words=0)
+            head, tail = reply_text(marked, separators).split(_MARK)
+            ids = (
+                self._encode_before_word(head)
+                + [SAMPLE_FIRST] + [SAMPLE_WORD] * (reply.sampled_words - 1)
+                + self.tokenizer.encode("." + tail)
+            )
+        else:
+            ids = self.tokenizer.encode(reply_text(reply, separators))
         rate = self.settings.noncanonical_rate
         if rate > 0:
             split_ids: list[int] = []
             for token_id in ids:
-                pairs = self.tokenizer.splits(token_id)
+                pairs = self.tokenizer.splits(token_id) if token_id >= 0 else ()
                 if pairs and rng.random() < rate:
                     split_ids.extend(rng.choice(pairs))
                 else:
@@ -140,7 +169,7 @@ class Engine:
             rng = random.Random(f"{base_seed}:{index}")
             reply = self._forced(self.policy.reply(conversation, rng), conversation, tool_choice)
             planned = self.plan(reply, rng)
-            gen = self._run(prompt_ids, planned, params, max_tokens, score_seed, index)
+            gen = self._run(prompt_ids, planned, params, max_tokens, score_seed, index, rng)
             gen.parsed = parse_reply(gen.text, parse_tools=parse_tools)
             if gen.parsed.tool_calls:
                 gen.finish_reason = "tool_calls"
@@ -150,7 +179,7 @@ class Engine:
 
     def _run(
         self, prompt_ids: list[int], planned: list[int], params: SamplingParams,
-        max_tokens: int, score_seed: int, index: int,
+        max_tokens: int, score_seed: int, index: int, rng: random.Random,
     ) -> Generation:
         context = list(prompt_ids)
         decoder = StreamDecoder(self.tokenizer)
@@ -159,13 +188,22 @@ class Engine:
         deltas: list[str] = []
         text = ""
         finish, stop_reason = "length", None
-        for token_id in planned:
+        for planned_id in planned:
             if len(ids) >= max_tokens:
                 break
-            step = self.model.step(
-                context, token_id, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_logprobs, seed=score_seed,
-            )
+            if planned_id >= 0:
+                step = self.model.step(
+                    context, planned_id, temperature=params.temperature, top_p=params.top_p,
+                    top_k=params.top_logprobs, seed=score_seed,
+                )
+            else:
+                allowed = (self.tokenizer.capital_word_ids if planned_id == SAMPLE_FIRST
+                           else self.tokenizer.word_ids)
+                step = self.model.sample(
+                    context, allowed, rng, temperature=params.temperature, top_p=params.top_p,
+                    top_k=params.top_logprobs, seed=score_seed,
+                )
+            token_id = step.token_id
             ids.append(token_id)
             steps.append(step)
             context.append(token_id)

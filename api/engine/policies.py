@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,6 +42,8 @@ class Reply:
     think: str = ""
     text: str = ""
     tool_calls: tuple[tuple[str, dict], ...] = ()
+    # Words the engine samples from the model in place of ``text`` (a sentence ending ".").
+    sampled_words: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,9 @@ def _entry_reply(entry: dict) -> Reply:
 
 def _allowed(reply: Reply, conversation: Conversation) -> Reply:
     if reply.tool_calls and not (conversation.tools_allowed and conversation.tools):
-        return Reply(reply.think, reply.text or "Done.", ())
+        if reply.sampled_words:
+            return replace(reply, tool_calls=())
+        return replace(reply, text=reply.text or "Done.", tool_calls=())
     return reply
 
 
@@ -137,7 +141,11 @@ WORDS = (
 
 
 class RandomPolicy:
-    """Seeded random replies: a few words, sometimes a think block, sometimes tool calls."""
+    """Seeded random replies: sampled text, sometimes a think block, sometimes tool calls.
+
+    The text is left to the engine (``sampled_words``), which draws it from the model with
+    the request's seed; think text and tool arguments are seeded choices of plain words.
+    """
 
     def __init__(self, max_tool_turns: int = 3) -> None:
         self.max_tool_turns = max_tool_turns
@@ -158,8 +166,7 @@ class RandomPolicy:
         return args
 
     def reply(self, conversation: Conversation, rng: random.Random) -> Reply:
-        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
-        text = " ".join(words).capitalize() + "."
+        words = rng.randint(3, 12)
         think = ""
         if rng.random() < 0.3:
             think = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
@@ -174,8 +181,8 @@ class RandomPolicy:
             chosen = [rng.choice(tools) for _ in range(rng.randint(1, 2))]
             calls = tuple((t["function"]["name"], self._arguments(t, rng)) for t in chosen)
             if rng.random() < 0.5:
-                text = ""
-        return Reply(think, text, calls)
+                words = 0
+        return Reply(think, "", calls, sampled_words=words)
 
 
 def make_policy(name: str, script_path: str | None = None) -> Policy:

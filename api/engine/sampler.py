@@ -2,7 +2,9 @@
 
 The policy decides what to say; this decides how likely each emitted token was, so every
 generated token carries a real log-probability under a proper distribution over the whole
-vocabulary, with temperature and top-p applied the way a sampler applies them.
+vocabulary, with temperature and top-p applied the way a sampler applies them. Where the
+policy leaves words free (the random policy's text), :meth:`PseudoModel.sample` draws them
+from the model under a grammar mask, with the request's seed.
 
 The logits at one position are a fixed vector of ``V`` values (drawn once from a seeded
 Gaussian and sorted) laid onto the vocabulary by a permutation chosen by a hash of
@@ -68,6 +70,69 @@ class PseudoModel:
             self._prefix[temperature] = sums
         return sums
 
+    def _position_hash(self, context: list[int], seed: int) -> tuple[int, int]:
+        """(permutation offset, 64-bit fraction) for this context tail and position."""
+        tail = context[-CONTEXT_TAIL:]
+        digest = hashlib.blake2b(
+            struct.pack(f"<{len(tail) + 2}q", len(context), seed, *tail), digest_size=16
+        ).digest()
+        offset, fraction = struct.unpack("<QQ", digest)
+        return offset % self.vocab_size, fraction
+
+    def sample(
+        self,
+        context: list[int],
+        allowed: list[int],
+        rng: random.Random,
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> Step:
+        """Draw a token from the model restricted to ``allowed`` (a grammar mask).
+
+        The logits are the unlifted permuted ones; tokens outside ``allowed`` are masked out
+        as constrained decoding masks them. Temperature and top-p apply to what is left and
+        the draw uses ``rng``; the log-prob reported is the drawn token's under exactly the
+        distribution it was drawn from.
+        """
+        offset, _ = self._position_hash(context, seed)
+        greedy = temperature <= 0
+        temp = 1.0 if greedy else temperature
+        logits = [(self._base[self._rank(t, offset)], t) for t in allowed]
+        best = max(value for value, _ in logits)
+        weights = sorted(((math.exp((v - best) / temp), t) for v, t in logits), reverse=True)
+        kept = weights
+        if not greedy and 0 < top_p < 1:
+            target = top_p * sum(w for w, _ in weights)
+            cumulative = 0.0
+            for cut, (weight, _) in enumerate(weights, start=1):
+                cumulative += weight
+                if cumulative >= target:
+                    kept = weights[:cut]
+                    break
+        mass = sum(w for w, _ in kept)
+        chosen = kept[0][1]
+        if not greedy:
+            draw = rng.random() * mass
+            for weight, token in kept:
+                draw -= weight
+                chosen = token
+                if draw < 0:
+                    break
+        in_nucleus = {t: math.log(w / mass) for w, t in kept}
+        logprob = in_nucleus[chosen]
+        top: list[tuple[int, float]] = []
+        if top_k > 0:
+            top.append((chosen, logprob))
+            for _, token in weights:
+                if len(top) >= top_k:
+                    break
+                if token != chosen:
+                    top.append((token, max(in_nucleus.get(token, FLOOR), FLOOR)))
+        return Step(chosen, max(logprob, FLOOR), tuple(top))
+
     def step(
         self,
         context: list[int],
@@ -79,12 +144,7 @@ class PseudoModel:
         seed: int = 0,
     ) -> Step:
         """Log-prob of ``token_id`` following ``context`` (prompt + generated so far)."""
-        tail = context[-CONTEXT_TAIL:]
-        digest = hashlib.blake2b(
-            struct.pack(f"<{len(tail) + 2}q", len(context), seed, *tail), digest_size=16
-        ).digest()
-        offset, fraction = struct.unpack("<QQ", digest)
-        offset %= self.vocab_size
+        offset, fraction = self._position_hash(context, seed)
         margin = MIN_MARGIN + (MAX_MARGIN - MIN_MARGIN) * (fraction / 2**64)
         # Greedy decoding reports the unscaled distribution, as servers do.
         temp = temperature if temperature > 0 else 1.0

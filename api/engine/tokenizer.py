@@ -9,6 +9,7 @@ bytes, different ids) for the ``noncanonical_rate`` knob.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -78,6 +79,25 @@ class EngineTokenizer:
     def visible_bytes(self, token_id: int) -> bytes:
         """Bytes this token adds to the reply text (special tokens add none)."""
         return b"" if token_id in self.special_ids else self.token_bytes[token_id]
+
+    # -- grammar masks for sampled words -------------------------------------------------
+    def _self_encoding(self, pattern: bytes) -> list[int]:
+        """Vocabulary tokens matching ``pattern`` that are their own canonical encoding."""
+        regex = re.compile(pattern)
+        return [
+            i for i, raw in enumerate(self.token_bytes)
+            if i not in self.added_ids and regex.fullmatch(raw) and self.encode(raw.decode()) == [i]
+        ]
+
+    @functools.cached_property
+    def word_ids(self) -> list[int]:
+        """Tokens `` word``: any run of them (after a capital word) re-encodes to itself."""
+        return self._self_encoding(rb" [a-z]{2,}")
+
+    @functools.cached_property
+    def capital_word_ids(self) -> list[int]:
+        """Tokens ``Word`` that can open a sentence."""
+        return self._self_encoding(rb"[A-Z][a-z]+")
 
     # -- non-canonical segmentation -----------------------------------------------------
     @functools.cache  # noqa: B019 - one tokenizer per process; the table is small
