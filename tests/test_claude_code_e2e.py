@@ -48,17 +48,20 @@ RESULT_TIMEOUT_S = 60.0
 
 # Turn 0: a Bash call; turn 1: the answer. The title call (no tools, a <session> block and
 # "Write the title" in its one user message) is matched first, so it never takes turn 0.
+# Both agent turns think first, as the CLI asks for: the thinking block must come back in
+# the next request's history in a form the engine re-renders to the very same ids.
 SCRIPT = {
     "entries": [
         {"match": r"Write the title|<session>", "text": TITLE_TEXT},
         {
             "turn": 0,
+            "think": "The user wants a shell command run; Bash does that.",
             "text": "I'll run it.",
             "tool_calls": [
                 {"name": "Bash", "arguments": {"command": "echo hello", "description": "Print hello"}}
             ],
         },
-        {"turn": 1, "text": FINAL_TEXT},
+        {"turn": 1, "think": "It printed hello.", "text": FINAL_TEXT},
     ],
     "default": {"text": "Done."},
 }

@@ -108,3 +108,24 @@ def test_frontend_config_is_valid_and_uses_redis(monkeypatch: pytest.MonkeyPatch
     assert settings.capture.sink_kwargs == {"url": "redis://redis:6379/0"}
     assert settings.upstream == "http://engine:8001"
     assert settings.sampling_overrides  # pinned server-side: the harness sends no top_p
+
+
+def test_image_install_includes_every_package() -> None:
+    """The image installs the project as a wheel (not editable): every subpackage must be in it."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = config.get("packages")
+    if isinstance(declared, dict) or declared is None:
+        found = declared.get("find", {}) if isinstance(declared, dict) else {}
+        packaged = set(find_packages(where=str(ROOT), include=found.get("include", ["*"])))
+    else:
+        packaged = set(declared)
+    on_disk = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("capture", "transports", "api")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert on_disk <= packaged, f"missing from the wheel: {sorted(on_disk - packaged)}"
