@@ -244,9 +244,17 @@ async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tm
     jobs, _, _ = stream_names(redis_prefix)
     path = tmp_path / "record.json"
     path.write_text(json.dumps(finished_record("cli-1")))
-    done = await asyncio.to_thread(_cli, "submit", "--url", redis_url, "--stream", jobs, str(path))
+    done = await asyncio.to_thread(_cli, "submit", "--url", redis_url, "--key-prefix", redis_prefix,
+                                   str(path))
     assert done.returncode == 0, done.stderr
     assert "cli-1" in done.stdout
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        (job_id, fields), = await client.xrange(jobs)
+        assert done.stdout.split()[0] == job_id.decode()
+        assert decode_job(fields) == ("cli-1", finished_record("cli-1"))
+    finally:
+        await client.aclose()
     bad = await asyncio.to_thread(_cli, "submit", "--url", redis_url, "--stream", jobs, "-",
                                   stdin=json.dumps({"reward": 1.0}))
     assert bad.returncode == 2 and "_ng_rollout_id" in bad.stderr

@@ -141,6 +141,8 @@ async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
         seen = Counter(record["_ng_rollout_id"] for record in records)
         assert set(seen) == set(rollout_ids) and max(seen.values()) == 1
         assert await client.xlen(results) == 200
+        by_worker = Counter(f[b"worker"] for _, f in await client.xrange(results))
+        assert set(by_worker) <= {b"w0", b"w1", b"w2"} and len(by_worker) >= 2, by_worker
         for record in records[::20]:
             assert_rebuilt(record, turns=2)
 

@@ -12,15 +12,20 @@ import os
 import sys
 from typing import Any
 
-from transports.queue import DEFAULT_JOBS_STREAM, RebuildQueue
+from capture.rollout_ids import rollout_id_from_run_body
+from transports.queue import DEFAULT_JOBS_STREAM, RebuildQueue, stream_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.json|-", help="record(s) to submit; - for stdin")
     parser.add_argument("--url", default=os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0"),
                         help="Redis URL (default $TOKCAP_REDIS_URL or %(default)s)")
-    parser.add_argument("--stream", default=DEFAULT_JOBS_STREAM,
-                        help="jobs stream (default %(default)s)")
+    parser.add_argument("--key-prefix", default="tokcap",
+                        help="the workers' --key-prefix; the jobs stream is <prefix>:rebuild "
+                             "(default %(default)s)")
+    parser.add_argument("--stream", default=None,
+                        help="jobs stream, if not named by the prefix (default "
+                             f"{DEFAULT_JOBS_STREAM})")
 
 
 def read_records(text: str) -> list[dict[str, Any]]:
@@ -54,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         print(f"tokcap submit: {args.file} holds no records", file=sys.stderr)
         return 2
+    stream = args.stream or stream_names(args.key_prefix)[0]
     try:
-        job_ids = asyncio.run(_submit(args.url, args.stream, records))
+        job_ids = asyncio.run(_submit(args.url, stream, records))
     except ValueError as exc:
         print(f"tokcap submit: {exc}", file=sys.stderr)
         return 2
@@ -63,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokcap submit: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     for record, job_id in zip(records, job_ids, strict=True):
-        print(f"{job_id}\t{record.get('_ng_rollout_id', '')}")
+        print(f"{job_id}\t{rollout_id_from_run_body(record)}")
     return 0
 
 

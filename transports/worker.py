@@ -285,6 +285,7 @@ class RebuildWorker:
         fields = encode_result(
             record, rollout_id=rollout_id, snapshot_id=built.snapshot_id or "",
             version=built.version, ok=bool(built.ok), masked=bool(built.masked), job_id=job_id,
+            worker=s.consumer,
         )
         args: list[Any] = [s.guard_ttl_s * 1000]
         for key, value in fields.items():
