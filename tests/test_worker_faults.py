@@ -268,3 +268,34 @@ async def test_job_that_keeps_failing_goes_to_dead_letter_with_its_last_error(
         else:
             await worker.close()
         await client.aclose()
+
+
+async def test_a_failing_step_is_retried_by_reclaim_then_dead_lettered(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A results stream that cannot take the result (wrong key type) fails every attempt."""
+    await populate(redis_url, redis_prefix, ["blocked-1"], turns=2)
+    jobs, results, dead = stream_names(redis_prefix)
+    client = aioredis.Redis.from_url(redis_url)
+    await client.set(results, "not a stream")
+    worker = RebuildWorker(WorkerSettings(url=redis_url, key_prefix=redis_prefix, max_attempts=3,
+                                          claim_idle_ms=50, block_ms=20, consumer="retrier"))
+    task = asyncio.create_task(worker.run())
+    try:
+        async with RebuildQueue(client=client, stream=jobs) as queue:
+            await queue.submit(finished_record("blocked-1"))
+
+        async def gone_dead() -> bool:
+            return await client.xlen(dead) == 1
+
+        await wait_for(gone_dead, "the dead letter", timeout=30)
+        (_, fields), = await client.xrange(dead)
+        assert fields[b"attempts"] == b"3" and b"WRONGTYPE" in fields[b"error"]
+        assert worker.counts["failed"] == 3 and worker.counts["published"] == 0
+        # Never published, so never retired: the capture is still there to rebuild later.
+        assert (await inspect(redis_url, redis_prefix, "blocked-1"))["state"] == "frozen"
+        assert (await client.xpending(jobs, "rebuild"))["pending"] == 0
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 20)
+        await client.aclose()
