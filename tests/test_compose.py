@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from api.settings import ServerSettings
+from tests.servers import free_port, run_process
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -129,3 +132,33 @@ def test_image_install_includes_every_package() -> None:
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert on_disk <= packaged, f"missing from the wheel: {sorted(on_disk - packaged)}"
+
+
+def healthcheck_code(compose: dict, service: str) -> str:
+    test = compose["services"][service]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"], test
+    return test[3]
+
+
+def test_worker_healthcheck_passes_against_a_real_worker(compose: dict, redis_server_factory) -> None:
+    server = redis_server_factory()
+    code = healthcheck_code(compose, "worker").replace("redis://redis:6379/0", server.url)
+    check = [sys.executable, "-c", code]
+    # No worker yet: no consumer group, so the check fails.
+    assert subprocess.run(check, capture_output=True, timeout=30).returncode != 0
+    worker = [sys.executable, "-m", "transports.worker_cli", "--url", server.url, "--block-ms", "200"]
+    with run_process(worker, env={"PYTHONPATH": str(ROOT)}):
+        deadline = time.monotonic() + 30
+        while subprocess.run(check, capture_output=True, timeout=30).returncode != 0:
+            assert time.monotonic() < deadline, "the worker healthcheck never passed"
+            time.sleep(0.2)
+
+
+def test_engine_healthcheck_passes_against_a_real_engine(compose: dict) -> None:
+    port = free_port()
+    code = healthcheck_code(compose, "engine").replace("127.0.0.1:8001", f"127.0.0.1:{port}")
+    engine = [sys.executable, "-m", "api.engine.cli", "--host", "127.0.0.1", "--port", str(port),
+              "--policy", "random"]
+    with run_process(engine, ready_url=f"http://127.0.0.1:{port}/health",
+                     env={"PYTHONPATH": str(ROOT)}):
+        assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
