@@ -123,43 +123,49 @@ class RebuildWorker:
         await self.client.xgroup_createconsumer(s.jobs_stream, s.group, s.consumer)
 
     async def run(self) -> None:
-        """Process jobs until ``stop``; in-flight jobs always finish."""
-        await self.start()
+        """Process jobs until ``stop``; in-flight jobs always finish, even on an error."""
+        heartbeat = None
+        try:
+            await self.start()
+            heartbeat = asyncio.create_task(self._heartbeat())
+            await self._dispatch()
+        finally:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+            if heartbeat is not None:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
+            await self.close()
+
+    async def _dispatch(self) -> None:
+        """Keep up to ``concurrency`` jobs in flight: stale ones first, then new ones."""
         claim_every = min(max(self.settings.claim_idle_ms / 2000, 0.05), 5.0)
         next_claim = 0.0
-        heartbeat = asyncio.create_task(self._heartbeat())
-        try:
-            while not self._stop.is_set():
-                free = self.settings.concurrency - len(self._in_flight)
-                if free <= 0:
-                    await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                try:
-                    jobs: list[tuple[str, Any, int]] = []
-                    if time.monotonic() >= next_claim:
-                        jobs = await self._claim_stale(free)
-                        next_claim = time.monotonic() + claim_every
-                    if not jobs:
-                        jobs = await self._read_new(free)
-                except (RedisConnectionError, RedisTimeoutError) as exc:
-                    log.warning("cannot read jobs (%s); retrying in 1 s", exc)
-                    await asyncio.sleep(1.0)
-                    continue
-                except ResponseError as exc:
-                    if "NOGROUP" not in str(exc):
-                        raise
-                    log.warning("the jobs stream or group was deleted; creating it again")
-                    await self.start()
-                    continue
-                for job_id, fields, deliveries in jobs:
-                    task = asyncio.create_task(self._run_job(job_id, fields, deliveries))
-                    self._in_flight[task] = job_id
-                    task.add_done_callback(self._in_flight.pop)
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
-        finally:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
-            await self.close()
+        while not self._stop.is_set():
+            free = self.settings.concurrency - len(self._in_flight)
+            if free <= 0:
+                await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                jobs: list[tuple[str, Any, int]] = []
+                if time.monotonic() >= next_claim:
+                    jobs = await self._claim_stale(free)
+                    next_claim = time.monotonic() + claim_every
+                if not jobs:
+                    jobs = await self._read_new(free)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("cannot read jobs (%s); retrying in 1 s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("the jobs stream or group was deleted; creating it again")
+                await self.start()
+                continue
+            for job_id, fields, deliveries in jobs:
+                task = asyncio.create_task(self._run_job(job_id, fields, deliveries))
+                self._in_flight[task] = job_id
+                task.add_done_callback(self._in_flight.pop)
 
     async def close(self) -> None:
         await self.source.close()
@@ -192,7 +198,9 @@ class RebuildWorker:
             pending = await pipe.execute()
         jobs = []
         for (job_id, fields), info in zip(claimed, pending, strict=True):
-            deliveries = int(info[0]["times_delivered"]) if info else s.max_attempts + 1
+            if not info:
+                continue  # acked meanwhile by the worker it was taken from: it finished after all
+            deliveries = int(info[0]["times_delivered"])
             log.info("claimed stale job %s (delivery %d)", job_id, deliveries)
             jobs.append((job_id, fields, deliveries))
         return jobs
