@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -41,6 +42,7 @@ from transports.redis_records import snapshot_of, stored_blocks, stored_body, su
 from transports.redis_watch import Command, execute_raw, watching
 
 T = TypeVar("T")
+_KNOWN_ROLLOUTS = 256  # rollouts whose block names a store remembers
 
 
 class RedisUnavailableError(TokenCaptureError, ConnectionError):
@@ -58,6 +60,7 @@ class Plan:
     writes: list[Command] = field(default_factory=list)
     result: Any = None
     error: Exception | None = None
+    again: bool = False  # what was read cannot decide (a stale cache): read again
 
 
 def _int(value: bytes | None) -> int:
@@ -113,6 +116,9 @@ class RedisTokenStore:
         self._block_size = block_size
         self._lock = asyncio.Lock()
         self._closed = False
+        # rollout id -> (epoch of its hash, block names it holds); saves asking about blocks
+        # this process already wrote. Trusted only while the hash's epoch field is unchanged.
+        self._known: OrderedDict[str, tuple[bytes, set[str]]] = OrderedDict()
 
     # -- connection and start-up ---------------------------------------------------------
 
@@ -211,7 +217,7 @@ class RedisTokenStore:
 
         for _ in range(self._max_watch_retries):
             plan = await self._retrying(attempt)
-            if plan is not None:
+            if plan is not None and not plan.again:
                 if plan.error is not None:
                     raise plan.error
                 return plan.result
@@ -231,18 +237,31 @@ class RedisTokenStore:
 
         body = stored_body(encoded)
         blocks = stored_blocks(encoded)
+        cached_epoch, known = self._known.get(entry.rollout_id, (b"", set()))
+        asked: list[str] = []
+        seen_epoch = b""
 
         def reads(key: str) -> list[Command]:
-            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id))
-            # One HEXISTS per block, all in the same round trip as WATCH: nothing is downloaded.
-            return [state, *(("HEXISTS", key, k.field(k.BLOCK, name)) for name, _ in blocks)]
+            nonlocal asked
+            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), k.EPOCH)
+            # Ask about each block not known to be held, in the same round trip as WATCH;
+            # HEXISTS downloads nothing.
+            asked = [name for name, _ in blocks if not cached_epoch or name not in known]
+            return [state, *(("HEXISTS", key, k.field(k.BLOCK, name)) for name in asked)]
 
         def decide(key: str, replies: list[Any]) -> Plan:
-            (version, frozen, stored), held = replies[0], replies[1:]
+            nonlocal cached_epoch, known, seen_epoch
+            (version, frozen, stored, epoch), held = replies[0], replies[1:]
             if frozen == b"1":
                 return Plan(error=RolloutFrozenError(
                     f"rollout {entry.rollout_id} is frozen; call {call_id} came too late"
                 ))
+            if cached_epoch and epoch != cached_epoch:
+                # The hash was deleted and made anew since we cached its blocks: ask again.
+                self._known.pop(entry.rollout_id, None)
+                cached_epoch, known = b"", set()
+                return Plan(again=True)
+            seen_epoch = epoch or uuid.uuid4().hex.encode()
             if stored == digest:
                 return Plan()  # the same payload again: already durable, nothing to do
             if stored is not None:
@@ -255,14 +274,22 @@ class RedisTokenStore:
                         "a different payload; the rollout is now marked incomplete"
                     ),
                 )
+            held_names = {name for name, present in zip(asked, held, strict=True) if present}
             fields: list[Any] = [k.VERSION, _int(version) + 1, k.field(k.ENTRY, call_id), body,
-                                 k.field(k.DIGEST, call_id), digest]
-            for (name, data), present in zip(blocks, held, strict=True):
-                if not present:  # only blocks the hash lacks cross the wire
-                    fields += [k.field(k.BLOCK, name), data]
+                                 k.field(k.DIGEST, call_id), digest, k.EPOCH, seen_epoch]
+            for name, data in blocks:
+                if name not in held_names and not (cached_epoch and name in known):
+                    fields += [k.field(k.BLOCK, name), data]  # only what the hash lacks
             return Plan(writes=[("HSET", key, *fields)])
 
         await self._transact(entry.rollout_id, reads, decide)
+        names = {name for name, _ in blocks}
+        if seen_epoch == cached_epoch:
+            names |= known
+        self._known[entry.rollout_id] = (seen_epoch, names)
+        self._known.move_to_end(entry.rollout_id)
+        if len(self._known) > _KNOWN_ROLLOUTS:
+            self._known.popitem(last=False)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably note a lost call; allowed after freeze and drop (it advances the version)."""

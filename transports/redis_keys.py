@@ -18,6 +18,9 @@ INCOMPLETE = "incomplete"
 RETIRED = "retired"
 RETIRED_AT = "retired_at"
 STATE_FIELDS = (VERSION, FROZEN, SNAPSHOT_ID, INCOMPLETE, RETIRED, RETIRED_AT)
+# Random, set by the first put and gone when the hash is: a writer's cache of the block
+# names a hash holds is valid only while the epoch it saw is still there.
+EPOCH = "epoch"
 
 # Per-call and per-block fields, by kind.
 ENTRY = "e:"  # e:<model_call_id> -> codec body
