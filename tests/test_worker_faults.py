@@ -299,3 +299,13 @@ async def test_a_failing_step_is_retried_by_reclaim_then_dead_lettered(
         worker.stop()
         await asyncio.wait_for(task, 20)
         await client.aclose()
+
+
+async def test_worker_refuses_an_undurable_server(redis_server_factory, tmp_path: Path) -> None:
+    server = redis_server_factory(appendonly="no")
+    worker = WorkerProcess(server.url, "undurable", tmp_path, "refused")
+    try:
+        assert await asyncio.to_thread(worker.wait, 60) == 1
+        assert "AOF is off" in worker.log() and "appendfsync always" in worker.log()
+    finally:
+        worker.stop()
