@@ -239,3 +239,46 @@ def test_errors_use_vllm_error_body(base):
         base, "/v1/chat/completions", {"messages": USER, "max_tokens": 200_000}).json()["error"]["message"]
     assert post(base, "/detokenize", {"tokens": [10**6]}).status_code == 400
     assert post(base, "/tokenize", {"prompt": "a", "messages": USER}).status_code == 400
+
+
+@pytest.fixture(scope="module")
+def legacy_base(tmp_path_factory):
+    script = tmp_path_factory.mktemp("script") / "script.yaml"
+    script.write_text(
+        "entries:\n"
+        "  - match: crash\n    error: {status: 503, message: engine overloaded}\n"
+        "  - match: boom\n    error: 500\n"
+        "default:\n  text: fine\n"
+    )
+    settings = EngineSettings(script_path=str(script), token_id_fields=False)
+    with serve_app(create_app(settings)) as url:
+        yield url
+
+
+def test_scripted_errors_answer_in_vllm_error_body(legacy_base):
+    response = post(legacy_base, "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "please crash"}]})
+    assert response.status_code == 503
+    assert response.json()["error"] == {"message": "engine overloaded",
+                                        "type": "ServiceUnavailable", "param": None, "code": 503}
+    boom = post(legacy_base, "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "boom"}], "stream": True})
+    assert boom.status_code == 500 and boom.json()["error"]["type"] == "InternalServerError"
+    assert httpx.get(f"{legacy_base}/tokcap/ground_truth").json() == [], "nothing was sampled"
+
+
+def test_without_token_ids_answers_like_older_vllm(legacy_base):
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, **EXTRAS}
+    reply = post(legacy_base, "/v1/chat/completions", body).json()
+    assert "prompt_token_ids" not in reply and "token_ids" not in reply["choices"][0]
+    assert reply["choices"][0]["message"]["content"] == "fine"
+    ids = [int(e["token"].split(":")[1]) for e in reply["choices"][0]["logprobs"]["content"]]
+    truth = httpx.get(f"{legacy_base}/tokcap/ground_truth").json()[-1]
+    assert ids == truth["token_ids"], "log-prob tokens still carry the ids"
+    tokenized = post(legacy_base, "/tokenize", {"messages": body["messages"]}).json()["tokens"]
+    assert tokenized == truth["prompt_token_ids"], "/tokenize gives the prompt ids instead"
+    chunks = sse_chunks(post(legacy_base, "/v1/chat/completions", {**body, "stream": True}).text)
+    assert not any("prompt_token_ids" in c or any("token_ids" in ch for ch in c["choices"])
+                   for c in chunks)
+    completion = post(legacy_base, "/v1/completions", {"prompt": tokenized, **EXTRAS}).json()
+    assert "token_ids" not in completion["choices"][0]

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the chat template drops past <think> blocks")
     parser.add_argument("--json-reserialize", action="store_true",
                         help="tool-call JSON is generated compact, re-rendered with spaces")
+    parser.add_argument("--without-token-ids", action="store_true",
+                        help="answer like vLLM < 0.10.2: no prompt_token_ids/token_ids fields")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -35,6 +37,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_model_len=args.max_model_len, tokenizer_path=args.tokenizer,
         ground_truth_path=args.ground_truth, noncanonical_rate=args.noncanonical_rate,
         think_strip=args.think_strip, json_reserialize=args.json_reserialize,
+        token_id_fields=not args.without_token_ids,
     )
     if args.generation_config:
         settings.generation_config = load_generation_config(args.generation_config)

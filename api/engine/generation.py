@@ -36,6 +36,15 @@ class ContextLengthError(ValueError):
     """The request does not fit the model's context (vLLM answers 400)."""
 
 
+class ScriptedError(Exception):
+    """The script asked for an HTTP error instead of a reply (failure tests)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -164,10 +173,16 @@ class Engine:
         max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
         base_seed = self._base_seed(params.seed)
         score_seed = params.seed if params.seed is not None else 0
+        rngs = [random.Random(f"{base_seed}:{index}") for index in range(n)]
+        replies = [
+            self._forced(self.policy.reply(conversation, rng), conversation, tool_choice)
+            for rng in rngs
+        ]
+        for reply in replies:
+            if reply.error is not None:
+                raise ScriptedError(*reply.error)
         results = []
-        for index in range(n):
-            rng = random.Random(f"{base_seed}:{index}")
-            reply = self._forced(self.policy.reply(conversation, rng), conversation, tool_choice)
+        for index, (reply, rng) in enumerate(zip(replies, rngs, strict=True)):
             planned = self.plan(reply, rng)
             gen = self._run(prompt_ids, planned, params, max_tokens, score_seed, index, rng)
             gen.parsed = parse_reply(gen.text, parse_tools=parse_tools)

@@ -8,6 +8,8 @@ Script format (YAML)::
     entries:                      # first entry that fits wins
       - match: "(?i)title"        # regex searched in the last message's text
         text: '{"title": "Echo hello"}'
+      - match: "(?i)crash"
+        error: {status: 500, message: "engine overloaded"}   # answer this error instead
       - turn: 0                   # number of assistant turns already in the conversation
         think: "The user wants a command run."
         text: "I'll run it."
@@ -44,6 +46,8 @@ class Reply:
     tool_calls: tuple[tuple[str, dict], ...] = ()
     # Words the engine samples from the model in place of ``text`` (a sentence ending ".").
     sampled_words: int = 0
+    # An HTTP error (status, message) the engine answers instead, for failure tests.
+    error: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,12 @@ def _entry_reply(entry: dict) -> Reply:
         (str(call["name"]), dict(call.get("arguments") or {}))
         for call in entry.get("tool_calls") or []
     )
-    return Reply(str(entry.get("think") or ""), str(entry.get("text") or ""), calls)
+    error = entry.get("error")
+    if error is not None:
+        if not isinstance(error, dict):
+            error = {"status": error}
+        error = (int(error.get("status") or 500), str(error.get("message") or "scripted failure"))
+    return Reply(str(entry.get("think") or ""), str(entry.get("text") or ""), calls, error=error)
 
 
 def _allowed(reply: Reply, conversation: Conversation) -> Reply:

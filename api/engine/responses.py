@@ -33,6 +33,19 @@ class ReplyOptions:
     return_token_ids: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    id_fields: bool = True  # False: vLLM < 0.10.2, which has no token id fields at all
+
+
+_ID_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+def _without_id_fields(body: dict) -> dict:
+    for key in _ID_FIELDS:
+        body.pop(key, None)
+    for choice in body.get("choices", []):
+        for key in _ID_FIELDS:
+            choice.pop(key, None)
+    return body
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -103,7 +116,7 @@ def chat_completion(
         }
         for gen in gens
     ]
-    return {
+    body = {
         "id": opts.response_id,
         "object": "chat.completion",
         "created": opts.created,
@@ -116,9 +129,12 @@ def chat_completion(
         "prompt_token_ids": list(opts.prompt_ids) if opts.return_token_ids else None,
         "kv_transfer_params": None,
     }
+    return body if opts.id_fields else _without_id_fields(body)
 
 
-def _sse(payload: dict) -> str:
+def _sse(payload: dict, opts: ReplyOptions) -> str:
+    if not opts.id_fields:
+        payload = _without_id_fields(payload)
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
@@ -160,7 +176,7 @@ def chat_stream(tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyO
                  "prompt_token_ids": list(opts.prompt_ids) if opts.return_token_ids else None}
         if opts.continuous_usage:
             chunk["usage"] = usage(prompt_len, 0)
-        yield _sse(chunk)
+        yield _sse(chunk, opts)
     offsets = [0] * len(gens)
     emitted = [0] * len(gens)
     longest = max((len(g.token_ids) for g in gens), default=0)
@@ -186,10 +202,10 @@ def chat_stream(tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyO
             chunk = {**head, "choices": [choice]}
             if opts.continuous_usage:
                 chunk["usage"] = usage(prompt_len, position + 1)
-            yield _sse(chunk)
+            yield _sse(chunk, opts)
     if opts.include_usage:
         total = sum(len(g.token_ids) for g in gens)
-        yield _sse({**head, "choices": [], "usage": usage(prompt_len, total)})
+        yield _sse({**head, "choices": [], "usage": usage(prompt_len, total)}, opts)
     yield "data: [DONE]\n\n"
 
 
@@ -233,12 +249,13 @@ def completion(
                 "prompt_logprobs": None,
                 "prompt_token_ids": list(prompt_ids) if opts.return_token_ids else None,
             })
-    return {
+    body = {
         "id": opts.response_id, "object": "text_completion", "created": opts.created,
         "model": opts.model, "choices": choices, "service_tier": None,
         "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens),
         "kv_transfer_params": None,
     }
+    return body if opts.id_fields else _without_id_fields(body)
 
 
 def completion_stream(
@@ -272,7 +289,7 @@ def completion_stream(
                 chunk = {**head, "choices": [choice], "usage": None}
                 if opts.continuous_usage:
                     chunk["usage"] = usage(len(prompt_ids), position + 1)
-                yield _sse(chunk)
+                yield _sse(chunk, opts)
     if opts.include_usage:
-        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}, opts)
     yield "data: [DONE]\n\n"

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import responses
-from .generation import ContextLengthError, Engine, SamplingParams
+from .generation import ContextLengthError, Engine, SamplingParams, ScriptedError
 from .policies import Conversation
 from .protocol import (
     ChatCompletionRequest,
@@ -30,6 +31,7 @@ from .protocol import (
 from .settings import EngineSettings
 from .template import messages_from_prompt, tools_from_prompt
 
+_STATUSES = {status.value for status in HTTPStatus}
 VLLM_VERSION = "0.10.2"  # the vLLM release whose OpenAI server shapes this engine follows
 
 
@@ -61,7 +63,8 @@ def _options(engine: Engine, req: SamplingFields, prefix: str, prompt_ids: list[
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         as_token_ids=bool(req.return_tokens_as_token_ids),
-        return_token_ids=bool(req.return_token_ids),
+        return_token_ids=bool(req.return_token_ids) and engine.settings.token_id_fields,
+        id_fields=engine.settings.token_id_fields,
         include_usage=bool(stream_options and stream_options.include_usage),
         continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
     )
@@ -81,6 +84,11 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     @app.exception_handler(ContextLengthError)
     async def _too_long(_: Request, exc: ContextLengthError) -> JSONResponse:
         return error_response(str(exc))
+
+    @app.exception_handler(ScriptedError)
+    async def _scripted(_: Request, exc: ScriptedError) -> JSONResponse:
+        kind = HTTPStatus(exc.status).phrase.replace(" ", "") if exc.status in _STATUSES else "Error"
+        return error_response(exc.message, exc.status, kind)
 
     @app.get("/health")
     async def health() -> Response:

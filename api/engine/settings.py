@@ -28,6 +28,9 @@ class EngineSettings:
     noncanonical_rate: float = 0.0
     think_strip: bool = False
     json_reserialize: bool = False
+    # False: answer like vLLM before 0.10.2 (no return_token_ids: no id fields at all), so a
+    # client's /tokenize fallback can be tested against a real server.
+    token_id_fields: bool = True
     generation_config: dict = field(
         default_factory=lambda: {"temperature": 1.0, "top_p": 1.0, "max_tokens": None}
     )
