@@ -5,8 +5,7 @@ policy leaves words free (random policy) the pseudo-model samples them with the 
 seed, from a vocabulary mask under which any run of words re-encodes to itself. With the
 ``noncanonical_rate`` knob some planned tokens are replaced by two vocabulary tokens with
 the same bytes. Every emitted token gets its log-prob from the pseudo-model at its true
-position.
-Stop strings, ``max_tokens`` and the end token end the sequence the way vLLM ends it: the
+position. Stop strings, ``max_tokens`` and the end token end the sequence the way vLLM ends it: the
 token that completes a stop string is kept in the ids, the stop string is cut from the text.
 """
 
