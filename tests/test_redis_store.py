@@ -76,18 +76,20 @@ async def test_all_keys_of_a_rollout_share_one_cluster_slot(store, raw, redis_pr
 
 
 async def test_one_hash_with_state_entry_and_block_fields(store, raw, redis_prefix):
-    entries = _rollout("layout", turns=2)
+    entries = _rollout("layout", turns=4)
     for entry in entries:
         await store.put(entry)
     await store.begin_call("layout", "pending")
-    fields = {name.decode() for name in raw.hkeys(rollout_key(redis_prefix, "layout"))}
-    assert {"version", "e:turn-00000", "d:turn-00000", "e:turn-00001", "i:pending"} <= fields
-    blocks = {name for name in fields if name.startswith("b:")}
-    # The second prompt extends the first: its leading blocks are the first prompt's.
-    first = -(-len(entries[0].prompt_token_ids) // 256)
-    second = -(-len(entries[1].prompt_token_ids) // 256)
-    shared = len(entries[0].prompt_token_ids) // 256
-    assert len(blocks) == first + second - shared
+    fields = raw.hgetall(rollout_key(redis_prefix, "layout"))
+    names = {name.decode() for name in fields}
+    assert {"version", "e:turn-00000", "d:turn-00000", "e:turn-00003", "i:pending"} <= names
+    blocks = [value for name, value in fields.items() if name.startswith(b"b:")]
+    # Each id of the final sequence is stored once: later calls extend earlier blocks, and
+    # a generation lives in the blocks the next prompt shares. 33 bytes of header per block.
+    final = entries[-1]
+    ids = len(final.prompt_token_ids) + len(final.generation_token_ids)
+    assert sum(len(value) for value in blocks) <= 4 * ids + 33 * len(blocks)
+    assert len(blocks) <= ids // 250 + len(entries)
 
 
 async def test_only_missing_blocks_cross_the_wire(redis_server_factory, redis_prefix):
@@ -234,3 +236,28 @@ def _rollout(rollout_id: str, turns: int) -> list:
 
     return growing_rollout(rollout_id, turns, system_tokens=600, generated_per_turn=50,
                            tool_tokens_per_turn=80)
+
+
+async def test_branching_prompts_round_trip_exactly(redis_url, redis_prefix):
+    """Retries, forks and prefixes of each other, from two writers with their own caches."""
+    import random
+
+    rng = random.Random(7)
+    writers = [RedisTokenStore(url=redis_url, key_prefix=redis_prefix) for _ in range(2)]
+    sequences = [[rng.randrange(151_000) for _ in range(rng.randrange(1, 700))]]
+    entries = []
+    for number in range(60):
+        base = rng.choice(sequences)
+        cut = rng.randrange(len(base) + 1)  # a fork anywhere, a prefix, or a full extension
+        prompt = base[:cut] + [rng.randrange(151_000) for _ in range(rng.choice([0, 1, 7, 260]))]
+        generation = [rng.randrange(151_000) for _ in range(rng.randrange(0, 40))]
+        entry = make_token_entry("branchy", f"c-{number:03d}", prompt=prompt,
+                                 generation=generation,
+                                 log_probs=[-rng.random() for _ in generation])
+        await writers[number % 2].put(entry)
+        entries.append(entry)
+        sequences.append(prompt + generation)
+    snapshot = await writers[0].freeze("branchy")
+    assert [e.model_dump() for e in snapshot.entries] == [e.model_dump() for e in entries]
+    for writer in writers:
+        await writer.close()

@@ -27,7 +27,7 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from capture.codec import DEFAULT_BLOCK_SIZE, encode_entry
+from capture.codec import encode_entry
 from capture.errors import (
     ConfigError,
     ConflictingEntryError,
@@ -38,10 +38,22 @@ from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.rollout_ids import validate_rollout_id
 from transports import redis_keys as k
 from transports.durability import Durability, check_durability
-from transports.redis_records import snapshot_of, stored_blocks, stored_body, summary_of
+from transports.redis_records import (
+    ROOT,
+    extends,
+    extension_block,
+    snapshot_of,
+    stored_entry,
+    summary_of,
+    tail_value,
+    whole_block,
+)
 from transports.redis_watch import Command, execute_raw, watching
 
 T = TypeVar("T")
+# 250 ids: a whole block's field value (kind byte, 16-byte parent digest, 1,000 bytes of ids,
+# 6 bytes of sds header) fits jemalloc's 1 KiB size class, where 256 ids would take 1,280.
+BLOCK_SIZE = 250
 _KNOWN_ROLLOUTS = 256  # rollouts whose block names a store remembers
 
 
@@ -89,7 +101,7 @@ class RedisTokenStore:
         wait_timeout_ms: int = 1000,
         max_retries: int = 3,
         max_watch_retries: int = 200,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         if (url is None) == (client is None):
             raise ConfigError("RedisTokenStore needs exactly one of url= or client=")
@@ -235,23 +247,27 @@ class RedisTokenStore:
         call_id = encoded.model_call_id
         digest = encoded.digest.encode()
 
-        body = stored_body(encoded)
-        blocks = stored_blocks(encoded)
+        stored = stored_entry(entry, encoded, self._block_size)
+        blocks = stored.blocks
+        full_block = 4 * self._block_size
         cached_epoch, known = self._known.get(entry.rollout_id, (b"", set()))
         asked: list[str] = []
         seen_epoch = b""
 
         def reads(key: str) -> list[Command]:
             nonlocal asked
-            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), k.EPOCH)
-            # Ask about each block not known to be held, in the same round trip as WATCH;
-            # HEXISTS downloads nothing.
-            asked = [name for name, _ in blocks if not cached_epoch or name not in known]
+            # Ask about each block not known to be held, in the same round trip as WATCH
+            # (HEXISTS downloads nothing), and for the partial block the first of them may
+            # extend.
+            asked = [name for name, _, _ in blocks if not cached_epoch or name not in known]
+            first = next((b for b in blocks if b[0] in asked), None)
+            tail = k.field(k.TAIL, (first[1] if first else ROOT).hex())
+            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), k.EPOCH, tail)
             return [state, *(("HEXISTS", key, k.field(k.BLOCK, name)) for name in asked)]
 
         def decide(key: str, replies: list[Any]) -> Plan:
             nonlocal cached_epoch, known, seen_epoch
-            (version, frozen, stored, epoch), held = replies[0], replies[1:]
+            (version, frozen, stored_digest, epoch, tail), held = replies[0], replies[1:]
             if frozen == b"1":
                 return Plan(error=RolloutFrozenError(
                     f"rollout {entry.rollout_id} is frozen; call {call_id} came too late"
@@ -262,9 +278,9 @@ class RedisTokenStore:
                 cached_epoch, known = b"", set()
                 return Plan(again=True)
             seen_epoch = epoch or uuid.uuid4().hex.encode()
-            if stored == digest:
+            if stored_digest == digest:
                 return Plan()  # the same payload again: already durable, nothing to do
-            if stored is not None:
+            if stored_digest is not None:
                 mark = k.field(k.MARK, call_id)
                 return Plan(
                     writes=[("HSET", key, k.INCOMPLETE, 1, mark, "conflicting payload",
@@ -275,15 +291,24 @@ class RedisTokenStore:
                     ),
                 )
             held_names = {name for name, present in zip(asked, held, strict=True) if present}
-            fields: list[Any] = [k.VERSION, _int(version) + 1, k.field(k.ENTRY, call_id), body,
-                                 k.field(k.DIGEST, call_id), digest, k.EPOCH, seen_epoch]
-            for name, data in blocks:
-                if name not in held_names and not (cached_epoch and name in known):
-                    fields += [k.field(k.BLOCK, name), data]  # only what the hash lacks
+            fields: list[Any] = [k.VERSION, _int(version) + 1, k.field(k.ENTRY, call_id),
+                                 stored.body, k.field(k.DIGEST, call_id), digest,
+                                 k.EPOCH, seen_epoch]
+            first_asked = asked[0] if asked else None
+            for name, parent, data in blocks:
+                if name in held_names or (cached_epoch and name in known):
+                    continue
+                extension = extends(tail, parent, data) if name == first_asked else None
+                if extension:  # only the ids the partial block lacked cross the wire
+                    fields += [k.field(k.BLOCK, name), extension_block(parent, *extension)]
+                else:
+                    fields += [k.field(k.BLOCK, name), whole_block(parent, data)]
+                if len(data) < full_block:  # a partial block a later call may extend
+                    fields += [k.field(k.TAIL, parent.hex()), tail_value(name, data)]
             return Plan(writes=[("HSET", key, *fields)])
 
         await self._transact(entry.rollout_id, reads, decide)
-        names = {name for name, _ in blocks}
+        names = {name for name, _, _ in blocks}
         if seen_epoch == cached_epoch:
             names |= known
         self._known[entry.rollout_id] = (seen_epoch, names)

@@ -27,7 +27,8 @@ ENTRY = "e:"  # e:<model_call_id> -> codec body
 DIGEST = "d:"  # d:<model_call_id> -> payload digest (idempotency check)
 INTENT = "i:"  # i:<model_call_id> -> OPEN or VOID
 MARK = "m:"  # m:<model_call_id> -> why the call was lost ("" call id: the rollout as a whole)
-BLOCK = "b:"  # b:<block name> -> parent block digest (16 bytes) + packed prompt tokens
+BLOCK = "b:"  # b:<block name> -> a block of a call's sequence (see transports.redis_records)
+TAIL = "t:"  # t:<parent block name> -> the partial block under it that a later call may extend
 
 INTENT_OPEN = b"open"
 INTENT_VOID = b"void"

@@ -1,61 +1,145 @@
 """What the fields of a rollout hash hold, and how they are read back as entries.
 
-An entry field holds the shared codec's body with its list of prompt block names replaced by
-the last name (the tip) and the count: block names are chained hashes, so each block's parent
-link recovers the list, and a rollout's memory grows with its final context rather than with
-turns x context. A block field holds its parent's 16-byte digest followed by the packed ids.
+Memory must grow with a rollout's final context, not with turns x context, and Redis pays
+per field and per allocation, so the stored form is tighter than the codec's body:
+
+- A call's whole sequence (prompt + generation) is cut into chained blocks with the shared
+  codec's ``prompt_blocks``; the next call's prompt starts with this sequence, so the
+  generation is stored once, in blocks the next call shares.
+- A block field holds a kind byte, its parent's 16-byte digest, and its ids. Names are
+  chained hashes, so an entry keeps only its last block name (the tip) and the count.
+- A sequence's last block is usually partial; when the next call fills it up, the new block
+  is stored as an *extension*: the earlier block's name plus the extra ids. A ``t:`` field
+  per parent names the partial block to extend.
+- The entry field keeps the codec's other fields and the packed log-probs.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from capture.codec import EncodedEntry, decode_entry
+from capture.codec import EncodedEntry, pack_floats, prompt_blocks, unpack_floats, unpack_ids
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from transports import redis_keys as k
 
-_ROOT = bytes(16)  # the parent of a prompt's first block
+ROOT = bytes(16)  # the parent of a sequence's first block
+_WHOLE, _EXTENSION = b"w", b"x"
+_STORED_FORMAT = 1
 
 
-def stored_body(encoded: EncodedEntry) -> bytes:
-    """The entry's codec body, with the block list reduced to its tip and length."""
+@dataclass(frozen=True)
+class StoredEntry:
+    """One entry ready for the hash: its entry field and its sequence's blocks."""
+
+    body: bytes
+    blocks: tuple[tuple[str, bytes, bytes], ...]  # (name, parent digest, packed ids)
+
+
+def stored_entry(entry: TokenEntry, encoded: EncodedEntry, block_size: int) -> StoredEntry:
     body = msgpack.unpackb(encoded.body, raw=False)
-    names = body["prompt_blocks"]
-    body["prompt_blocks"] = []
-    body["tip"] = names[-1] if names else ""
-    body["n_blocks"] = len(names)
-    return msgpack.packb(body, use_bin_type=True)
+    sequence = [*entry.prompt_token_ids, *entry.generation_token_ids]
+    named = prompt_blocks(sequence, block_size)
+    parents = [ROOT, *(bytes.fromhex(name) for name, _ in named)]
+    stored = {
+        "format": _STORED_FORMAT,
+        "fields": body["fields"],
+        "prompt_len": len(entry.prompt_token_ids),
+        "generated": len(entry.generation_token_ids),
+        "tip": named[-1][0] if named else "",
+        "n_blocks": len(named),
+        "log_probs": pack_floats(entry.generation_log_probs),
+    }
+    blocks = tuple((name, parents[i], data) for i, (name, data) in enumerate(named))
+    return StoredEntry(msgpack.packb(stored, use_bin_type=True), blocks)
 
 
-def stored_blocks(encoded: EncodedEntry) -> list[tuple[str, bytes]]:
-    """(name, parent digest + packed ids) for every prompt block of the entry."""
-    parents = [_ROOT, *(bytes.fromhex(name) for name in encoded.block_names)]
-    return [(name, parents[i] + data) for i, (name, data) in enumerate(encoded.blocks)]
+def whole_block(parent: bytes, data: bytes) -> bytes:
+    return _WHOLE + parent + data
 
 
-def _chain(tip: str, length: int, blocks: dict[str, bytes]) -> list[str]:
-    names: list[str] = []
+def extension_block(parent: bytes, base: str, extra: bytes) -> bytes:
+    return _EXTENSION + parent + bytes.fromhex(base) + extra
+
+
+def tail_value(name: str, data: bytes) -> bytes:
+    """What a ``t:`` field holds: the partial block's name and its length in bytes."""
+    return bytes.fromhex(name) + len(data).to_bytes(4, "little")
+
+
+def extends(tail: bytes | None, parent: bytes, data: bytes) -> tuple[str, bytes] | None:
+    """(base name, extra bytes) if ``data`` starts with the partial block ``tail`` names.
+
+    Names are chained digests, so hashing the parent with our own leading bytes proves the
+    prefix without downloading the earlier block.
+    """
+    if not tail:
+        return None
+    base, length = tail[:16], int.from_bytes(tail[16:20], "little")
+    if not 0 < length < len(data):
+        return None
+    if hashlib.blake2b(parent + data[:length], digest_size=16).digest() != base:
+        return None
+    return base.hex(), data[length:]
+
+
+def _resolve(name: str, raw: dict[str, bytes], done: dict[str, tuple[bytes, bytes]]) -> None:
+    """Fill ``done[name] = (parent, data)``, following extensions iteratively."""
+    pending = [name]
+    while pending:
+        current = pending[-1]
+        if current in done:
+            pending.pop()
+            continue
+        value = raw.get(current)
+        if value is None:
+            raise ValueError(f"block {current} of a stored entry is missing")
+        parent = value[1:17]
+        if value[:1] == _WHOLE:
+            done[current] = (parent, value[17:])
+            pending.pop()
+            continue
+        base = value[17:33].hex()
+        if base not in done:
+            pending.append(base)
+            continue
+        done[current] = (parent, done[base][1] + value[33:])
+        pending.pop()
+
+
+def _sequence(tip: str, length: int, raw: dict[str, bytes],
+              done: dict[str, tuple[bytes, bytes]]) -> list[int]:
+    chunks: list[bytes] = []
     name = tip
-    while name and len(names) < length:
-        names.append(name)
-        stored = blocks.get(name)
-        if stored is None:
-            break
-        parent = stored[:16]
-        name = "" if parent == _ROOT else parent.hex()
-    if len(names) != length:
-        raise ValueError(f"prompt block chain ending in {tip} has {len(names)} of {length} blocks")
-    return names[::-1]
+    while name and len(chunks) < length:
+        _resolve(name, raw, done)
+        parent, data = done[name]
+        chunks.append(data)
+        name = "" if parent == ROOT else parent.hex()
+    if len(chunks) != length:
+        raise ValueError(f"block chain ending in {tip} has {len(chunks)} of {length} blocks")
+    return unpack_ids(b"".join(reversed(chunks)))
 
 
-def decode_stored(body: bytes, blocks: dict[str, bytes]) -> TokenEntry:
-    """An entry from its stored body and the rollout's stored blocks."""
+def decode_stored(body: bytes, raw: dict[str, bytes], done: dict[str, Any]) -> TokenEntry:
+    """An entry from its field and the rollout's block fields (``done`` caches resolved ones)."""
     data = msgpack.unpackb(body, raw=False)
-    data["prompt_blocks"] = _chain(data.pop("tip"), data.pop("n_blocks"), blocks)
-    ids = {name: blocks[name][16:] for name in data["prompt_blocks"]}
-    return decode_entry(msgpack.packb(data, use_bin_type=True), ids)
+    if data.get("format", 0) > _STORED_FORMAT:
+        raise ValueError(f"stored entry format {data['format']} is newer than this tokcap")
+    sequence = _sequence(data["tip"], data["n_blocks"], raw, done)
+    prompt_len = data["prompt_len"]
+    if len(sequence) != prompt_len + data["generated"]:
+        raise ValueError(f"stored sequence has {len(sequence)} ids, the entry says "
+                         f"{prompt_len} + {data['generated']}")
+    return TokenEntry.model_validate({
+        **data["fields"],
+        "prompt_token_ids": sequence[:prompt_len],
+        "generation_token_ids": sequence[prompt_len:],
+        "generation_log_probs": unpack_floats(data["log_probs"]),
+    })
 
 
 def split(fields: dict[bytes, bytes]) -> dict[str, dict[str, bytes]]:
@@ -77,7 +161,8 @@ def snapshot_of(
 ) -> TokenCaptureSnapshot:
     kinds = split(fields)
     bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
-    entries = tuple(decode_stored(bodies[call_id], blocks) for call_id in sorted(bodies))
+    done: dict[str, Any] = {}
+    entries = tuple(decode_stored(bodies[call_id], blocks, done) for call_id in sorted(bodies))
     reasons = [f"call {call_id or '(rollout)'}: {reason.decode()}"
                for call_id, reason in sorted(kinds[k.MARK].items())]
     pending = sorted(call_id for call_id, value in kinds[k.INTENT].items()
@@ -104,7 +189,7 @@ def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
     for body in bodies.values():
         data = msgpack.unpackb(body, raw=False)
         prompt_max = max(prompt_max, data["prompt_len"])
-        generated += len(data["generation"]) // 4
+        generated += data["generated"]
     retired = _flag(fields, k.RETIRED)
     if not fields:
         state = "absent"
@@ -127,3 +212,4 @@ def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
         "generated_tokens": generated,
         "tombstone": retired,
     }
+
