@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from capture.records import TokenEntry  # noqa: E402
 from transports.queue import RebuildQueue, stream_names  # noqa: E402
 from transports.redis import RedisTokenStore  # noqa: E402
-from transports.results import ensure_group  # noqa: E402
+from transports.results import decode_result, ensure_group  # noqa: E402
 
 VOCAB = 151_000
 
@@ -129,9 +129,13 @@ async def measure(url: str, workers: int, args, log_dir: str) -> dict[str, float
             await asyncio.sleep(0.01)
         elapsed = time.perf_counter() - started
         result_bytes = await client.memory_usage(results) or 0
-        masked = sum(1 for _, f in await client.xrange(results) if f[b"masked"] == b"1")
+        entries = await client.xrange(results)
+        masked = [f for _, f in entries if f[b"masked"] == b"1"]
+        if masked:
+            reasons = decode_result("0-0", masked[0])["_ng_token_capture"].get("mask_reasons")
+            print(f"{len(masked)} masked with {workers} worker(s), e.g.: {reasons}")
         return {"workers": workers, "seconds": elapsed, "rate": args.rollouts / elapsed,
-                "dead": await client.xlen(dead), "masked": masked,
+                "dead": await client.xlen(dead), "masked": len(masked),
                 "result_kib": result_bytes / args.rollouts / 1024}
     finally:
         for proc in procs:
