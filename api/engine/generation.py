@@ -112,7 +112,9 @@ class Engine:
         with self._lock:
             return self.settings.seed * 1_000_003 + next(self._calls)
 
-    def _forced(self, reply: Reply, conversation: Conversation, tool_choice) -> Reply:
+    def _forced(
+        self, reply: Reply, conversation: Conversation, tool_choice: str | dict | None
+    ) -> Reply:
         names = conversation.tool_names
         if isinstance(tool_choice, dict):
             name = (tool_choice.get("function") or {}).get("name")
@@ -165,7 +167,7 @@ class Engine:
         params: SamplingParams,
         *,
         n: int = 1,
-        tool_choice=None,
+        tool_choice: str | dict | None = None,
         parse_tools: bool = False,
         request_id: str = "",
     ) -> list[Generation]:
