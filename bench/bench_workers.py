@@ -175,7 +175,9 @@ async def main_async(args: argparse.Namespace) -> None:
         table.add_row(str(row["workers"]), f"{row['seconds']:.2f}", f"{row['rate']:.1f}",
                       f"{row['result_kib']:.0f}", str(row["masked"]), str(row["dead"]))
     console.print(table)
-    console.print(f"speed-up 2 vs 1 workers: {rows[1]['rate'] / rows[0]['rate']:.2f}x")
+    console.print(f"speed-up 2 vs 1 workers: {rows[1]['rate'] / rows[0]['rate']:.2f}x "
+                  f"(load average now {os.getloadavg()[0]:.1f}; other work on the cores "
+                  "lowers it)")
 
 
 def main() -> None:

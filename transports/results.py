@@ -137,6 +137,7 @@ class ResultsReader:
         self._group_ready = False
         self._pending_cursor: str | None = "0"  # None once own pending records are re-read
         self._outstanding: set[str] = set()  # handed out here, not yet acknowledged
+        self._claim_cursor = "0-0"  # XAUTOCLAIM scans the pending list in rounds
         self._buffer: list[dict[str, Any]] = []
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[dict[str, Any]]:
@@ -154,8 +155,9 @@ class ResultsReader:
         if self.claim_idle_ms is not None:
             claimed = await self.client.xautoclaim(
                 self.stream, self.group, self.consumer, self.claim_idle_ms,
-                start_id="0-0", count=count,
+                start_id=self._claim_cursor, count=count,
             )
+            self._claim_cursor = _text(claimed[0])
             records = self._hand_out(claimed[1])
             if records:
                 return records

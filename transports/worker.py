@@ -104,6 +104,7 @@ class RebuildWorker:
         self.counts = {"done": 0, "published": 0, "retired": 0, "masked": 0, "dead": 0, "failed": 0}
         self._stop = asyncio.Event()
         self._in_flight: dict[asyncio.Task[None], str] = {}
+        self._claim_cursor = "0-0"
 
     def stop(self) -> None:
         """Take no new jobs; ``run`` returns once the jobs in flight are finished."""
@@ -183,8 +184,10 @@ class RebuildWorker:
         """Take over jobs another consumer left pending for ``claim_idle_ms``."""
         s = self.settings
         reply = await self.client.xautoclaim(
-            s.jobs_stream, s.group, s.consumer, s.claim_idle_ms, start_id="0-0", count=count
+            s.jobs_stream, s.group, s.consumer, s.claim_idle_ms,
+            start_id=self._claim_cursor, count=count,
         )
+        self._claim_cursor = _text(reply[0])  # the next round goes on where this one ended
         # A job still in flight here was only idle because a long build held the event loop;
         # running it twice would be safe (publish once, drop idempotent) but wasteful.
         mine = set(self._in_flight.values())
