@@ -400,5 +400,6 @@ def test_ten_thousand_turns_build_without_recursion():
     assert build.main_chain[0] == "c00000" and build.main_chain[-1] == f"c{turns - 1:05d}"
     assert build.chains[0].calls == turns
     assert not build.masked
-    ids, mask = build.flat_ids_and_mask()
-    assert ids == master[: turns + 1] and sum(mask) == turns
+    assert len(build.output) == turns
+    assert build.output[-1]["prompt_token_ids"] == master[:turns]
+    assert build.generated_tokens_delivered == turns
