@@ -37,6 +37,12 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     529: "overloaded_error",
 }
+_TEXT_BLOCK = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]}
 # The request fields the OpenAPI document names; any others are accepted and ignored.
 REQUEST_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -46,21 +52,33 @@ REQUEST_SCHEMA: dict[str, Any] = {
         "max_tokens": {"type": "integer", "minimum": 1},
         "messages": {
             "type": "array",
+            "minItems": 1,
             "items": {
                 "type": "object",
                 "required": ["role", "content"],
                 "properties": {
                     "role": {"type": "string", "enum": ["user", "assistant", "system"]},
-                    "content": {"anyOf": [{"type": "string"}, {"type": "array"}]},
+                    "content": _CONTENT,
                 },
             },
         },
-        "system": {"anyOf": [{"type": "string"}, {"type": "array"}]},
-        "tools": {"type": "array"},
+        "system": _CONTENT,
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "input_schema"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "input_schema": {"type": "object"},
+                },
+            },
+        },
         "stream": {"type": "boolean"},
-        "temperature": {"type": "number"},
-        "top_p": {"type": "number"},
-        "top_k": {"type": "integer"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
         "stop_sequences": {"type": "array", "items": {"type": "string"}},
     },
 }
@@ -180,8 +198,9 @@ def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("temperature", "top_p"):
         if number(body, key) is not None:
             request[key] = body[key]
-    if number(body, "top_k", int) is not None:
-        request["top_k"] = body["top_k"]
+    top_k = number(body, "top_k", int)
+    if top_k is not None:
+        request["top_k"] = top_k
     stops = body.get("stop_sequences")
     if stops:
         request["stop"] = [require_text(s, "stop_sequences[]") for s in require_list(stops, "stop_sequences")]

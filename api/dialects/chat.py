@@ -40,22 +40,23 @@ REQUEST_SCHEMA: dict[str, Any] = {
         "model": {"type": "string"},
         "messages": {
             "type": "array",
+            "minItems": 1,
             "items": {
                 "type": "object",
-                "required": ["role"],
+                "required": ["role", "content"],
                 "properties": {
-                    "role": {"type": "string", "enum": list(ROLES)},
-                    "content": {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]},
+                    "role": {"type": "string", "enum": ["system", "developer", "user"]},
+                    "content": {"type": "string"},
                 },
             },
         },
         "stream": {"type": "boolean"},
         "max_tokens": {"type": "integer", "minimum": 1},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number"},
-        "top_p": {"type": "number"},
-        "n": {"type": "integer"},
-        "tools": {"type": "array"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "seed": {"type": "integer"},
+        "n": {"type": "integer", "minimum": 1, "maximum": 1},
     },
 }
 

@@ -71,12 +71,18 @@ def arguments_object(arguments: Any) -> dict[str, Any]:
 
 
 def number(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...] = (int, float)) -> Any:
-    """A numeric request field, or None; booleans are not numbers here."""
+    """A numeric request field, or None; booleans are not numbers here.
+
+    An integer field also takes an integral float (``2048.0``), as JSON does not tell them apart.
+    """
     value = body.get(key)
     if value is None:
         return None
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise RequestError(f"{key} must be a number, got {value!r}")
+        what = "an integer" if kind is int else "a number"
+        raise RequestError(f"{key} must be {what}, got {value!r}")
     return value
 
 

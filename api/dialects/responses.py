@@ -29,18 +29,26 @@ from api.dialects.common import (
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = {"user": "user", "system": "system", "developer": "system"}
+_MESSAGE_ITEM = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "type": {"enum": ["message"]},
+        "role": {"enum": ["user", "system", "developer"]},
+        "content": {"type": "string"},
+    },
+}
 REQUEST_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["model", "input"],
     "properties": {
         "model": {"type": "string"},
-        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _MESSAGE_ITEM}]},
         "instructions": {"type": "string"},
         "stream": {"type": "boolean"},
         "max_output_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number"},
-        "top_p": {"type": "number"},
-        "tools": {"type": "array"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
     },
 }
 
