@@ -3,8 +3,8 @@
 Memory must grow with a rollout's final context, not with turns x context, and Redis pays
 per field and per allocation, so the stored form is tighter than the codec's body:
 
-- A call's whole sequence (prompt + generation) is cut into chained blocks with the shared
-  codec's ``prompt_blocks``; the next call's prompt starts with this sequence, so the
+- A call's whole sequence (prompt + generation) is cut into blocks chained as the shared
+  codec chains prompt blocks; the next call's prompt starts with this sequence, so the
   generation is stored once, in blocks the next call shares.
 - A block field holds a kind byte, its parent's 16-byte digest, and its ids. Names are
   chained hashes, so an entry keeps only its last block name (the tip) and the count.
@@ -22,8 +22,9 @@ from typing import Any
 
 import msgpack
 
-from capture.codec import EncodedEntry, pack_floats, prompt_blocks, unpack_floats, unpack_ids
-from capture.records import TokenCaptureSnapshot, TokenEntry
+from capture.codec import EncodedEntry, pack_floats, pack_ids, unpack_floats, unpack_ids
+from capture.errors import SchemaVersionError
+from capture.records import SCHEMA_VERSION, TokenCaptureSnapshot, TokenEntry
 from transports import redis_keys as k
 
 ROOT = bytes(16)  # the parent of a sequence's first block
@@ -39,10 +40,28 @@ class StoredEntry:
     blocks: tuple[tuple[str, bytes, bytes], ...]  # (name, parent digest, packed ids)
 
 
+def chain_digest(parent: bytes, data: bytes) -> bytes:
+    """A block's name: the codec's chained hash of its parent's digest and its packed ids."""
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
+
+
+def _sequence_blocks(entry: TokenEntry, encoded: EncodedEntry, block_size: int) -> list:
+    """Blocks of prompt + generation, reusing the codec's whole prompt blocks (``encoded``
+    must use ``block_size``): the same chain, so only the tail is hashed again."""
+    whole = [(n, d) for n, d in encoded.blocks if len(d) == 4 * block_size]
+    rest = [*entry.prompt_token_ids[len(whole) * block_size :], *entry.generation_token_ids]
+    named = list(whole)
+    parent = bytes.fromhex(whole[-1][0]) if whole else b""
+    for start in range(0, len(rest), block_size):
+        data = pack_ids(rest[start : start + block_size])
+        parent = chain_digest(parent, data)
+        named.append((parent.hex(), data))
+    return named
+
+
 def stored_entry(entry: TokenEntry, encoded: EncodedEntry, block_size: int) -> StoredEntry:
     body = msgpack.unpackb(encoded.body, raw=False)
-    sequence = [*entry.prompt_token_ids, *entry.generation_token_ids]
-    named = prompt_blocks(sequence, block_size)
+    named = _sequence_blocks(entry, encoded, block_size)
     parents = [ROOT, *(bytes.fromhex(name) for name, _ in named)]
     stored = {
         "format": _STORED_FORMAT,
@@ -81,7 +100,7 @@ def extends(tail: bytes | None, parent: bytes, data: bytes) -> tuple[str, bytes]
     base, length = tail[:16], int.from_bytes(tail[16:20], "little")
     if not 0 < length < len(data):
         return None
-    if hashlib.blake2b(parent + data[:length], digest_size=16).digest() != base:
+    if chain_digest(parent, data[:length]) != base:
         return None
     return base.hex(), data[length:]
 
@@ -111,7 +130,7 @@ def _resolve(name: str, raw: dict[str, bytes], done: dict[str, tuple[bytes, byte
 
 
 def _sequence(tip: str, length: int, raw: dict[str, bytes],
-              done: dict[str, tuple[bytes, bytes]]) -> list[int]:
+              done: dict[str, tuple[bytes, bytes]]) -> bytes:
     chunks: list[bytes] = []
     name = tip
     while name and len(chunks) < length:
@@ -121,7 +140,7 @@ def _sequence(tip: str, length: int, raw: dict[str, bytes],
         name = "" if parent == ROOT else parent.hex()
     if len(chunks) != length:
         raise ValueError(f"block chain ending in {tip} has {len(chunks)} of {length} blocks")
-    return unpack_ids(b"".join(reversed(chunks)))
+    return b"".join(reversed(chunks))
 
 
 def decode_stored(body: bytes, raw: dict[str, bytes], done: dict[str, Any]) -> TokenEntry:
@@ -130,16 +149,23 @@ def decode_stored(body: bytes, raw: dict[str, bytes], done: dict[str, Any]) -> T
     if data.get("format", 0) > _STORED_FORMAT:
         raise ValueError(f"stored entry format {data['format']} is newer than this tokcap")
     sequence = _sequence(data["tip"], data["n_blocks"], raw, done)
-    prompt_len = data["prompt_len"]
-    if len(sequence) != prompt_len + data["generated"]:
-        raise ValueError(f"stored sequence has {len(sequence)} ids, the entry says "
-                         f"{prompt_len} + {data['generated']}")
-    return TokenEntry.model_validate({
-        **data["fields"],
-        "prompt_token_ids": sequence[:prompt_len],
-        "generation_token_ids": sequence[prompt_len:],
-        "generation_log_probs": unpack_floats(data["log_probs"]),
-    })
+    prompt_bytes = 4 * data["prompt_len"]
+    if len(sequence) != prompt_bytes + 4 * data["generated"]:
+        raise ValueError(f"stored sequence has {len(sequence) // 4} ids, the entry says "
+                         f"{data['prompt_len']} + {data['generated']}")
+    fields = data["fields"]
+    if fields.get("schema_version", 1) > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"entry has schema_version {fields['schema_version']}, but this tokcap reads up "
+            f"to schema_version {SCHEMA_VERSION}; upgrade tokcap to read it"
+        )
+    # Validated when it was put; constructing skips a second pass over every id.
+    return TokenEntry.model_construct(
+        **fields,
+        prompt_token_ids=unpack_ids(sequence[:prompt_bytes]),
+        generation_token_ids=unpack_ids(sequence[prompt_bytes:]),
+        generation_log_probs=unpack_floats(data["log_probs"]),
+    )
 
 
 def split(fields: dict[bytes, bytes]) -> dict[str, dict[str, bytes]]:
