@@ -129,10 +129,9 @@ def read_generation(
             "disagree"
         )
     prompt_ids = response.get("prompt_token_ids")
-    if prompt_ids is not None and not (
-        isinstance(prompt_ids, list) and all(isinstance(i, int) for i in prompt_ids)
-    ):
-        problem = problem or "prompt_token_ids is not a list of integers"
+    # The element types are checked once, when the entry is validated.
+    if prompt_ids is not None and not isinstance(prompt_ids, list):
+        problem = problem or "prompt_token_ids is not a list"
     usage = response.get("usage")
     return Generation(
         response=dict(response),
