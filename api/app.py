@@ -8,6 +8,7 @@ the reply, streamed or not. Each step reads only the previous step's output.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -182,6 +183,12 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sink = settings.build_sink()
+        start = getattr(sink, "start", None)
+        if callable(start):
+            # A sink that proves itself (Redis durability) fails this worker now, not a call.
+            started = start()
+            if inspect.isawaitable(started):
+                await started
         app.state.token_sink = sink
         app.state.upstream = UpstreamClient(
             settings.upstream,
