@@ -105,7 +105,7 @@ def extends(tail: bytes | None, parent: bytes, data: bytes) -> tuple[str, bytes]
     return base.hex(), data[length:]
 
 
-def _resolve(name: str, raw: dict[str, bytes], done: dict[str, tuple[bytes, bytes]]) -> None:
+def _resolve(name: str, raw: dict[str, bytes], done: dict[Any, Any]) -> None:
     """Fill ``done[name] = (parent, data)``, following extensions iteratively."""
     pending = [name]
     while pending:
@@ -129,18 +129,25 @@ def _resolve(name: str, raw: dict[str, bytes], done: dict[str, tuple[bytes, byte
         pending.pop()
 
 
-def _sequence(tip: str, length: int, raw: dict[str, bytes],
-              done: dict[str, tuple[bytes, bytes]]) -> bytes:
-    chunks: list[bytes] = []
+def _sequence(tip: str, length: int, raw: dict[str, bytes], done: dict[str, Any]) -> list[int]:
+    """The ids of a block chain. Each block is unpacked once per snapshot and its id objects
+    are shared by every entry that contains it, which is most of the cost of a freeze."""
+    names: list[str] = []
     name = tip
-    while name and len(chunks) < length:
+    while name and len(names) < length:
         _resolve(name, raw, done)
-        parent, data = done[name]
-        chunks.append(data)
+        names.append(name)
+        parent = done[name][0]
         name = "" if parent == ROOT else parent.hex()
-    if len(chunks) != length:
-        raise ValueError(f"block chain ending in {tip} has {len(chunks)} of {length} blocks")
-    return b"".join(reversed(chunks))
+    if len(names) != length:
+        raise ValueError(f"block chain ending in {tip} has {len(names)} of {length} blocks")
+    ids: list[int] = []
+    for name in reversed(names):
+        unpacked = done.get(("ids", name))
+        if unpacked is None:
+            unpacked = done["ids", name] = unpack_ids(done[name][1])
+        ids.extend(unpacked)
+    return ids
 
 
 def decode_stored(body: bytes, raw: dict[str, bytes], done: dict[str, Any]) -> TokenEntry:
@@ -149,10 +156,10 @@ def decode_stored(body: bytes, raw: dict[str, bytes], done: dict[str, Any]) -> T
     if data.get("format", 0) > _STORED_FORMAT:
         raise ValueError(f"stored entry format {data['format']} is newer than this tokcap")
     sequence = _sequence(data["tip"], data["n_blocks"], raw, done)
-    prompt_bytes = 4 * data["prompt_len"]
-    if len(sequence) != prompt_bytes + 4 * data["generated"]:
-        raise ValueError(f"stored sequence has {len(sequence) // 4} ids, the entry says "
-                         f"{data['prompt_len']} + {data['generated']}")
+    prompt_len = data["prompt_len"]
+    if len(sequence) != prompt_len + data["generated"]:
+        raise ValueError(f"stored sequence has {len(sequence)} ids, the entry says "
+                         f"{prompt_len} + {data['generated']}")
     fields = data["fields"]
     if fields.get("schema_version", 1) > SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -162,8 +169,8 @@ def decode_stored(body: bytes, raw: dict[str, bytes], done: dict[str, Any]) -> T
     # Validated when it was put; constructing skips a second pass over every id.
     return TokenEntry.model_construct(
         **fields,
-        prompt_token_ids=unpack_ids(sequence[:prompt_bytes]),
-        generation_token_ids=unpack_ids(sequence[prompt_bytes:]),
+        prompt_token_ids=sequence[:prompt_len],
+        generation_token_ids=sequence[prompt_len:],
         generation_log_probs=unpack_floats(data["log_probs"]),
     )
 
