@@ -12,9 +12,6 @@ the CLI's stream-json events, the engine's ground truth and the servers' log tai
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,36 +19,10 @@ from typing import Any
 
 import httpx
 
+from api.processes import Service, free_port, wait_http
 from tests.claude_code import run_claude
-from tests.servers import free_port, wait_http
 
 SERVER_START_TIMEOUT_S = 90.0
-
-
-class Server:
-    """A child process in this driver's process group, its output in a log file."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-        )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-    def log_tail(self, limit: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-limit:]
 
 
 def _ground_truth(engine_url: str) -> Any:
@@ -69,23 +40,23 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     home.mkdir(parents=True, exist_ok=True)
     cwd.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"servers": {}}
-    servers: list[Server] = []
+    servers: list[Service] = []
     started = time.monotonic()
     try:
         engine_port, frontend_port = free_port(), free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
         frontend_url = f"http://127.0.0.1:{frontend_port}"
-        engine = Server(
-            "engine",
-            [sys.executable, "-m", "api.engine.cli", "--host", "127.0.0.1",
+        engine = Service(
+            "engine", "api.engine.cli",
+            ["--host", "127.0.0.1",
              "--port", str(engine_port), *spec["engine_args"]],
             workdir, spec.get("engine_env", {}),
         )
         servers.append(engine)
         wait_http(engine_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=engine.proc)
-        frontend = Server(
-            "frontend",
-            [sys.executable, "-m", "api.serve_cli", "--config", spec["frontend_config"],
+        frontend = Service(
+            "frontend", "api.serve_cli",
+            ["--config", spec["frontend_config"],
              "--host", "127.0.0.1", "--port", str(frontend_port)],
             workdir, {"TOKCAP_UPSTREAM": engine_url, **spec.get("frontend_env", {})},
         )

@@ -8,37 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import uvicorn
 
+from api.processes import free_port, stop_process, wait_http
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``url`` until it answers (any status), or fail with what is known."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            httpx.get(url, timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
+__all__ = ["free_port", "wait_http", "serve_app", "run_process"]
 
 
 @contextlib.contextmanager
@@ -79,12 +59,6 @@ def run_process(
             wait_http(ready_url, timeout=timeout, proc=proc)
         yield proc
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc)
         if proc.stderr:
             proc.stderr.close()
