@@ -87,7 +87,15 @@ def _pairs(reply: Any) -> dict[bytes, bytes]:
 
 
 class RedisTokenStore:
-    """Token sink and source on Redis; see the module docstring for how it stays consistent."""
+    """Token sink and source on Redis; see the module docstring for how it stays consistent.
+
+    Keyword arguments only: ``url`` (``redis://``, ``rediss://`` for TLS, password in the URL)
+    or ``client`` (an existing ``redis.asyncio.Redis``, left open on close); ``key_prefix``;
+    ``durability`` ("fsync", "replicas:N" or "none"); ``tombstone_ttl_s``; socket, connect
+    and durability-wait timeouts; ``max_retries`` on connection errors; ``block_size`` (every
+    writer of one rollout must use the same, as it enters the payload digest). Nothing
+    connects until first use, so the store can be built outside an event loop.
+    """
 
     def __init__(
         self,
