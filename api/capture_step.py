@@ -10,6 +10,7 @@ rollout incomplete, because a reply without ids reaches the harness all the same
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,8 @@ def output_items(generation: Generation) -> list[dict[str, Any]]:
             }
         )
     for call in generation.tool_calls:
-        function = call.get("function") or {}
+        function = call.get("function")
+        function = function if isinstance(function, Mapping) else {}
         items.append(
             {
                 "type": "function_call",
