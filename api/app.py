@@ -81,7 +81,10 @@ def _plain_error(status: int, kind: str, message: str) -> bytes:
 
 
 class BodyLimit:
-    """Answer 413 to a request body beyond ``max_bytes``; a body within it is replayed as is."""
+    """Answer 413 to a request body beyond ``max_bytes``; a body within it is replayed as is.
+
+    Starlette's own limiter answers in plain text; harness SDKs read a JSON error body.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
