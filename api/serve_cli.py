@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TOKCAP_UPSTREAM"] = args.upstream
     try:
         settings = settings_from_environment()  # fail here, once, on a bad config
+        if settings.capture.enabled and settings.capture.sink:
+            settings.capture.sink_class()  # a sink path that does not import fails now too
     except ConfigError as exc:
         print(f"tokcap serve: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ sink from the same config, and every call any worker serves is captured.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,3 +75,14 @@ def test_tokcap_serve_with_two_workers_captures_every_call(tmp_path: Path) -> No
     assert not snapshot.incomplete
     assert_entries_equal_ground_truth(snapshot, truth)
     assert all(entry.overridden_sampling_keys == ["seed", "temperature"] for entry in snapshot.entries)
+
+
+def test_tokcap_serve_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("token_id_capture:\n  enabled: true\n  sink: 'nosuchmodule.x:Sink'\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--config", str(config), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "nosuchmodule" in proc.stderr
