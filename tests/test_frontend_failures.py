@@ -263,3 +263,24 @@ def test_entries_round_trip_with_the_recorded_override_keys(servers) -> None:
     (entry,) = freeze(servers.store_dir, "extras-1").entries
     again = TokenEntry.coerce(entry.model_dump())
     assert again.overridden_sampling_keys == ["temperature", "top_p"]
+
+
+STREAMS = {
+    "/v1/messages": {"model": "m", "max_tokens": 100, "messages": HELLO, "stream": True},
+    "/v1/chat/completions": {"model": "m", "messages": HELLO, "stream": True},
+    "/v1/responses": {"model": "m", "input": "hello", "stream": True},
+}
+
+
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_the_entry_is_stored_before_the_stream_ends(servers, path: str) -> None:
+    rollout_id = "durable-first-" + path.strip("/").replace("/", "-")
+    with httpx.stream("POST", servers.base(rollout_id) + path, json=STREAMS[path], timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        # The harness has one event and not yet the last: the entry is already durable.
+        assert inspect(servers.store_dir, rollout_id)["calls"] == 1
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert first and rest
+    last = rest[-1]
+    assert last == "data: [DONE]" or '"message_stop"' in last or '"response.completed"' in last
