@@ -9,78 +9,29 @@ and are stopped by PID when the test ends.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
-from tests.servers import free_port
+from api.redis_server import DURABLE, RedisServerUnavailable
+from api.redis_server import RedisServer as _RedisServer
 
-DURABLE = {"appendonly": "yes", "appendfsync": "always", "save": ""}
+__all__ = ["DURABLE", "RedisServer"]
 
 
-class RedisServer:
-    """One redis-server child process; restartable on the same port and data dir."""
 
-    def __init__(self, data_dir: Path, **options: str | tuple[str, ...]) -> None:
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.options = {**DURABLE, **options}
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+class RedisServer(_RedisServer):
+    """The product's private redis-server; a machine without redis-server skips the test."""
 
     def start(self, timeout: float = 20.0) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-                str(self.data_dir), "--daemonize", "no", "--logfile", "server.log"]
-        for name, value in self.options.items():  # a tuple value is several arguments
-            args += [f"--{name}", *(value if isinstance(value, tuple) else (value,))]
-        self.proc = subprocess.Popen(
-            args, cwd=self.data_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                log = (self.data_dir / "server.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
-            try:
-                password = self.options.get("requirepass")
-                with redis.Redis(port=self.port, password=password, socket_timeout=1) as client:
-                    if client.ping():
-                        return self
-            except (redis.ConnectionError, redis.BusyLoadingError, redis.TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"redis-server on {self.port} did not answer in {timeout}s")
-            time.sleep(0.02)
-
-    def kill9(self) -> None:
-        """Crash it: no shutdown, no final fsync beyond what each write already did."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        try:
+            super().start(timeout)
+        except RedisServerUnavailable as exc:
+            pytest.skip(str(exc))
+        return self
 
 
 @pytest.fixture(scope="session")
