@@ -1,10 +1,11 @@
-"""The one entry codec every store shares: msgpack bodies and content-addressed prompt blocks.
+"""The one entry codec every store shares: a msgpack body and content-addressed blocks.
 
-Successive calls of a rollout re-send the whole history, so their prompts share long
-prefixes. A prompt is cut into blocks of B tokens, each named by a chained hash (the digest of
-the previous block's name and this block's tokens, as in paged prefix caching), so the same
-prefix always yields the same names and each block is stored once per rollout. Storage then
-grows with the final context, not with turns x context.
+Successive calls of a rollout re-send the whole history, so each prompt starts with the
+previous call's prompt and generation. An entry's sequence (prompt + generation) is cut into
+chained blocks (see ``capture.blocks``); the same prefix always yields the same names, so each
+block is stored once per rollout and storage grows with the final context, not with
+turns x context. The body keeps the entry's other fields, its log-probs, and the name and
+count of its blocks; ``EncodedEntry.plan`` tells a store which bytes it must add.
 """
 
 from __future__ import annotations
@@ -13,20 +14,33 @@ import hashlib
 import json
 import sys
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from capture.blocks import (
+    DIGEST_BYTES,
+    ID_BYTES,
+    ROOT_NAME,
+    Block,
+    Writes,
+    block_ids,
+    chain_names,
+    cut,
+    plan_writes,
+    whole_block,
+)
 from capture.records import SCHEMA_VERSION, TokenEntry
 
-DEFAULT_BLOCK_SIZE = 256
-CODEC_VERSION = 1
-_DIGEST_BYTES = 16  # blake2b-128: collisions are not a practical concern within one rollout
+# 250 ids: a whole stored block (kind byte, 16-byte parent digest, 1,000 bytes of ids, and
+# Redis's 6-byte string header) fits jemalloc's 1 KiB size class, where 256 would take 1,280.
+DEFAULT_BLOCK_SIZE = 250
+CODEC_VERSION = 2
 _LITTLE = sys.byteorder == "little"
-# Fields the body stores in packed form instead of as msgpack lists.
-_PACKED = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+# Fields the body and blocks store in packed form instead of as msgpack lists.
+_PACKED = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 # Set at capture; a retried put of the same call may carry another timestamp.
 _NOT_PAYLOAD = ("created_at",)
 
@@ -67,113 +81,131 @@ def unpack_floats(data: bytes) -> list[float]:
     return _unpack(data, "d")
 
 
-def prompt_blocks(prompt_ids: list[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[tuple[str, bytes]]:
-    """Cut a prompt into (chained digest, packed tokens) blocks of ``block_size`` tokens."""
-    if block_size < 1:
-        raise ValueError("block_size must be >= 1")
-    blocks = []
-    previous = b""
-    for start in range(0, len(prompt_ids), block_size):
-        payload = pack_ids(prompt_ids[start : start + block_size])
-        digest = hashlib.blake2b(previous + payload, digest_size=_DIGEST_BYTES).digest()
-        blocks.append((digest.hex(), payload))
-        previous = digest
-    return blocks
+def prompt_blocks(ids: list[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[tuple[str, bytes]]:
+    """Cut ids into (chained digest, packed ids) blocks of ``block_size`` ids."""
+    return [(block.name, block.data) for block in cut(pack_ids(ids), block_size)]
 
 
 @dataclass(frozen=True)
 class EncodedEntry:
-    """An entry ready to store: its body, the prompt blocks it names, its payload digest."""
+    """An entry ready to store: its body, its sequence's blocks, its payload digest."""
 
     model_call_id: str
     body: bytes
-    blocks: tuple[tuple[str, bytes], ...]
+    chain: tuple[Block, ...]
     digest: str
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def blocks(self) -> tuple[tuple[str, bytes], ...]:
+        """Every block in its whole stored form, first block first."""
+        return tuple((block.name, whole_block(block)) for block in self.chain)
 
     @property
     def block_names(self) -> list[str]:
-        return [name for name, _ in self.blocks]
+        return [block.name for block in self.chain]
+
+    def tail_parent(self, held: Container[str]) -> str:
+        """The parent of the first block not in ``held``: whose tail a store that cannot
+        hold every tail should fetch, since that block is the one likely to extend it."""
+        first = next((block for block in self.chain if block.name not in held), None)
+        return first.parent.hex() if first else ROOT_NAME
+
+    def plan(self, held: Container[str], tails: Mapping[str, bytes]) -> Writes:
+        """The blocks and tails a store must add, given the block names and tails it holds."""
+        return plan_writes(list(self.chain), ID_BYTES * self.block_size, held, tails)
 
 
-def _canonical_rest(fields: Mapping[str, Any]) -> bytes:
-    rest = {k: v for k, v in fields.items() if k not in _PACKED and k not in _NOT_PAYLOAD}
-    return json.dumps(rest, sort_keys=True, separators=(",", ":"), default=repr).encode()
+def _canonical_rest(rest: Mapping[str, Any]) -> bytes:
+    kept = {k: v for k, v in rest.items() if k not in _NOT_PAYLOAD}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"), default=repr).encode()
 
 
 def encode_entry(entry: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> EncodedEntry:
     """Encode an entry (or anything with its fields) into body, blocks and digest."""
     entry = TokenEntry.coerce(entry)
-    fields = entry.model_dump()
-    blocks = prompt_blocks(entry.prompt_token_ids, block_size)
+    prompt = pack_ids(entry.prompt_token_ids)
     generation = pack_ids(entry.generation_token_ids)
     log_probs = pack_floats(entry.generation_log_probs)
-    rest = {k: v for k, v in fields.items() if k not in _PACKED}
+    rest = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied
+    sequence = prompt + generation
+    chain = cut(sequence, block_size)
     body = msgpack.packb(
         {
             "codec": CODEC_VERSION,
             "fields": rest,
-            "prompt_len": len(entry.prompt_token_ids),
-            "prompt_blocks": [name for name, _ in blocks],
-            "generation": generation,
+            "prompt_len": len(prompt) // ID_BYTES,
+            "generated": len(generation) // ID_BYTES,
+            "tip": chain[-1].name if chain else "",
+            "n_blocks": len(chain),
             "log_probs": log_probs,
         },
         use_bin_type=True,
     )
-    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    hasher.update(blocks[-1][0].encode() if blocks else b"-")
-    hasher.update(len(entry.prompt_token_ids).to_bytes(8, "little"))
-    hasher.update(generation)
+    # The sequence enters the digest through its chain tip at the default block size, not
+    # the store's, so writers with any block size agree; at the default size (the usual
+    # case) the ids are hashed once, for the chain, and not a second time for the digest.
+    canonical = chain if block_size == DEFAULT_BLOCK_SIZE else cut(sequence, DEFAULT_BLOCK_SIZE)
+    hasher = hashlib.blake2b(len(prompt).to_bytes(8, "little"), digest_size=DIGEST_BYTES)
+    hasher.update(canonical[-1].name.encode() if canonical else b"-")
     hasher.update(log_probs)
-    hasher.update(_canonical_rest(fields))
-    return EncodedEntry(entry.model_call_id, body, tuple(blocks), hasher.hexdigest())
+    hasher.update(_canonical_rest(rest))
+    return EncodedEntry(entry.model_call_id, body, tuple(chain), hasher.hexdigest(), block_size)
 
 
 def entry_digest(entry: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> str:
-    """The canonical payload digest used by the idempotency check."""
+    """The canonical payload digest used by the idempotency check (any block size)."""
     return encode_entry(entry, block_size).digest
 
 
-def body_block_names(body: bytes) -> list[str]:
-    """The prompt block names a stored body refers to, without decoding the rest."""
-    return list(msgpack.unpackb(body, raw=False)["prompt_blocks"])
+def read_body(body: bytes) -> dict[str, Any]:
+    """A stored body's fields (``prompt_len``, ``generated``, ``tip``...), version-checked."""
+    data = msgpack.unpackb(body, raw=False)
+    if data.get("codec", 0) > CODEC_VERSION:
+        raise ValueError(
+            f"entry body has codec {data['codec']}, this tokcap reads up to {CODEC_VERSION}"
+        )
+    return data
+
+
+def body_block_names(body: bytes, blocks: Mapping[str, bytes]) -> list[str]:
+    """The block names a stored body's chain runs through, first block first."""
+    data = read_body(body)
+    return chain_names(data["tip"], data["n_blocks"], blocks)
 
 
 def decode_entry(
     body: bytes,
     blocks: Mapping[str, bytes],
     *,
-    cache: dict[str, list[int]] | None = None,
+    cache: dict[Any, Any] | None = None,
     trusted: bool = False,
 ) -> TokenEntry:
-    """Rebuild an entry from its body and a lookup of the rollout's blocks.
+    """Rebuild an entry from its body and a lookup of the rollout's stored blocks.
 
-    Entries of one rollout share most of their prompt blocks: a ``cache`` shared across one
-    snapshot unpacks each block once. ``trusted`` skips re-validation for bodies this codec
-    wrote after validating them, which dominates freeze time on long rollouts.
+    Entries of one rollout share most of their blocks: a ``cache`` shared across one snapshot
+    resolves and unpacks each block once, and shares its id objects between entries.
+    ``trusted`` skips re-validation for bodies this codec wrote after validating them, which
+    dominates freeze time on long rollouts.
     """
-    data = msgpack.unpackb(body, raw=False)
-    if data.get("codec", 0) > CODEC_VERSION:
-        raise ValueError(
-            f"entry body has codec {data['codec']}, this tokcap reads up to {CODEC_VERSION}"
-        )
+    data = read_body(body)
     cache = {} if cache is None else cache
-    prompt: list[int] = []
-    for name in data["prompt_blocks"]:
-        ids = cache.get(name)
+    sequence: list[int] = []
+    for name in chain_names(data["tip"], data["n_blocks"], blocks):
+        ids = cache.get(("ids", name))
         if ids is None:
-            try:
-                ids = cache[name] = unpack_ids(blocks[name])
-            except KeyError:
-                raise ValueError(f"prompt block {name} of a stored entry is missing") from None
-        prompt.extend(ids)
-    if len(prompt) != data["prompt_len"]:
+            ids = cache["ids", name] = unpack_ids(block_ids(name, blocks, cache))
+        sequence.extend(ids)
+    prompt_len, generated = data["prompt_len"], data["generated"]
+    if len(sequence) != prompt_len + generated:
         raise ValueError(
-            f"stored prompt has {len(prompt)} tokens but the entry says {data['prompt_len']}"
+            f"stored sequence has {len(sequence)} ids but the entry says "
+            f"{prompt_len} + {generated}"
         )
     fields = {
         **data["fields"],
-        "prompt_token_ids": prompt,
-        "generation_token_ids": unpack_ids(data["generation"]),
+        "prompt_token_ids": sequence[:prompt_len],
+        "generation_token_ids": sequence[prompt_len:],
         "generation_log_probs": unpack_floats(data["log_probs"]),
     }
     if trusted and fields.get("schema_version", 1) <= SCHEMA_VERSION:

@@ -108,10 +108,11 @@ def test_shared_prefixes_give_identical_block_names():
     second = encode_entry(make_entry(history + [900, 901], model_call_id="call-2"), B)
     assert first.block_names[:2] == second.block_names[:2]
     assert first.block_names[2] != second.block_names[2]  # a partial block differs from a full one
-    assert body_block_names(first.body) == first.block_names
-    assert body_block_names(second.body) == second.block_names
-    # One rollout-wide block table decodes both entries.
+    # One rollout-wide block table decodes both entries; a body names only its tip, and the
+    # blocks' parent links give the rest of its chain.
     table = dict(first.blocks) | dict(second.blocks)
+    assert body_block_names(first.body, table) == first.block_names
+    assert body_block_names(second.body, table) == second.block_names
     assert len(table) == 2 + 1 + 2
     assert decode_entry(second.body, table).prompt_token_ids == history + [900, 901]
 
@@ -181,3 +182,96 @@ def test_newer_codec_refused():
     body["codec"] = CODEC_VERSION + 1
     with pytest.raises(ValueError, match=f"codec {CODEC_VERSION + 1}"):
         decode_entry(msgpack.packb(body, use_bin_type=True), dict(encoded.blocks))
+
+
+# -- the stored form: one chain over prompt + generation, extensions, any block size -------
+
+
+def store_all(entries, block_size=B):
+    """Put entries as a store does (codec plans, store keeps blocks and tails); all blocks."""
+    blocks, tails, written = {}, {}, []
+    for entry in entries:
+        writes = encode_entry(entry, block_size).plan(blocks.keys(), tails)
+        blocks.update(writes.blocks)
+        tails.update(writes.tails)
+        written.append(writes)
+    return blocks, written
+
+
+@pytest.mark.parametrize("entry_fields", [{}, {"note": "extra"}])
+def test_digest_independent_of_block_size(entry_fields):
+    entry = make_entry(range(100, 100 + 3 * B + 3), **entry_fields)
+    digests = {entry_digest(entry, size) for size in (1, 3, B, 64, DEFAULT_BLOCK_SIZE, 1000)}
+    assert len(digests) == 1
+    # The split between prompt and generation is part of the payload.
+    moved = make_entry(range(100, 100 + 3 * B + 4), generation=[6], log_probs=[-0.75],
+                       **entry_fields)
+    assert entry_digest(moved, 5) != entry_digest(entry, 5)
+
+
+def test_generation_shared_with_next_prompt_is_stored_once():
+    generation = list(range(500, 500 + 2 * B))
+    first = make_entry(range(2 * B), generation=generation, log_probs=[-1.0] * len(generation))
+    child = make_entry([*range(2 * B), *generation, 7, 8, 9], model_call_id="call-2")
+    blocks, (_, child_writes) = store_all([first, child])
+    # The child's prompt starts with the first call's whole sequence (4 full blocks):
+    # only its own tail (3 prompt ids + 2 generated) is new.
+    assert len(child_writes.blocks) == 1
+    stored_ids = sum(len(unpack_ids(data[17:])) for data in blocks.values())
+    assert stored_ids == len(child.full_sequence)
+    cache = {}
+    entries = [decode_entry(encode_entry(e, B).body, blocks, cache=cache) for e in (first, child)]
+    assert entries == [first, child]
+
+
+def test_partial_block_extension_round_trips():
+    history = list(range(10, 10 + B + 3))  # a full block, then a partial one
+    calls = [make_entry(history[: B + 1], generation=[1], log_probs=[-0.5],
+                        model_call_id="call-1")]
+    calls.append(make_entry([*calls[0].full_sequence, 2], generation=[3], log_probs=[-0.5],
+                            model_call_id="call-2"))
+    calls.append(make_entry([*calls[1].full_sequence, *range(40, 40 + B)],
+                            generation=[4], log_probs=[-0.5], model_call_id="call-3"))
+    blocks, written = store_all(calls)
+    # call-2 fills the partial block call-1 left: only the new ids are stored, after a
+    # kind byte, the parent digest and the extended block's digest.
+    (name, stored), = written[1].blocks
+    assert stored[:1] == b"x" and len(stored) == 33 + 2 * 4
+    assert written[1].tails[0][0] == written[0].tails[0][0]  # the same parent's tail moves on
+    cache = {}
+    assert [decode_entry(encode_entry(c, B).body, blocks, cache=cache) for c in calls] == calls
+    total_ids = sum(len(data) - 17 - (16 if data[:1] == b"x" else 0) for data in blocks.values()) // 4
+    assert total_ids == len(calls[-1].full_sequence)
+
+
+def test_extension_needs_the_same_prefix():
+    first = make_entry(range(B + 2), generation=[], log_probs=[])
+    other = make_entry([*range(B), 99, 98, 97], generation=[], log_probs=[], model_call_id="c-2")
+    blocks, written = store_all([first, other])
+    assert [data[:1] for _, data in written[1].blocks] == [b"w"]  # not a prefix: stored whole
+    assert decode_entry(encode_entry(other, B).body, blocks) == other
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    family=st.lists(
+        st.tuples(st.integers(0, 8), st.lists(st.integers(0, 2), max_size=7),
+                  st.lists(st.integers(0, 2), max_size=3)),
+        min_size=1, max_size=8,
+    ),
+    block_size=st.integers(1, 5),
+)
+def test_branching_family_round_trips(family, block_size):
+    """Calls branch off any earlier call's sequence (retries, subagents, compaction) or
+    start afresh; every one decodes exactly from the blocks the codec had stored."""
+    entries = []
+    for index, (parent, extra, generation) in enumerate(family):
+        base = entries[parent % len(entries)].full_sequence if entries and parent else []
+        entries.append(make_entry([*base, *extra], generation=generation,
+                                  log_probs=[-0.25] * len(generation),
+                                  model_call_id=f"call-{index}"))
+    blocks, _ = store_all(entries, block_size)
+    cache = {}
+    for entry in entries:
+        assert decode_entry(encode_entry(entry, block_size).body, blocks, cache=cache,
+                            trusted=True) == entry

@@ -3,7 +3,7 @@
 Every state change runs as an optimistic transaction on the rollout's hash: WATCH, read what
 decides, MULTI ... EXEC; a refused EXEC means another writer changed the rollout first, so the
 decision is made again on fresh state. Entries use the shared codec; a put sends only the
-prompt blocks the hash does not hold yet. Durability is proven once, before the first write,
+blocks the hash does not hold yet. Durability is proven once, before the first write,
 and every write waits for it where the server needs a wait (WAITAOF / WAIT).
 
 The same class is the sink a model server writes through (``RedisTokenSink``) and the source
@@ -28,7 +28,7 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from capture.codec import encode_entry
+from capture.codec import DEFAULT_BLOCK_SIZE, encode_entry
 from capture.errors import (
     ConfigError,
     ConflictingEntryError,
@@ -39,22 +39,11 @@ from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.rollout_ids import validate_rollout_id
 from transports import redis_keys as k
 from transports.durability import Durability, check_durability
-from transports.redis_records import (
-    ROOT,
-    extends,
-    extension_block,
-    snapshot_of,
-    stored_entry,
-    summary_of,
-    tail_value,
-    whole_block,
-)
+from transports.redis_records import snapshot_of, summary_of
 from transports.redis_watch import Command, execute_raw, watching
 
 T = TypeVar("T")
-# 250 ids: a whole block's field value (kind byte, 16-byte parent digest, 1,000 bytes of ids,
-# 6 bytes of sds header) fits jemalloc's 1 KiB size class, where 256 ids would take 1,280.
-BLOCK_SIZE = 250
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the codec's; chosen so a whole block fits 1 KiB in Redis
 _KNOWN_ROLLOUTS = 256  # rollouts whose block names a store remembers
 
 
@@ -263,22 +252,19 @@ class RedisTokenStore:
         call_id = encoded.model_call_id
         digest = encoded.digest.encode()
 
-        stored = stored_entry(entry, encoded, self._block_size)
-        blocks = stored.blocks
-        full_block = 4 * self._block_size
         cached_epoch, known = self._known.get(entry.rollout_id, (b"", set()))
         asked: list[str] = []
+        tail_parent = ""
         seen_epoch = b""
 
         def reads(key: str) -> list[Command]:
-            nonlocal asked
+            nonlocal asked, tail_parent
             # Ask about each block not known to be held, in the same round trip as WATCH
-            # (HEXISTS downloads nothing), and for the partial block the first of them may
-            # extend.
-            asked = [name for name, _, _ in blocks if not cached_epoch or name not in known]
-            first = next((b for b in blocks if b[0] in asked), None)
-            tail = k.field(k.TAIL, (first[1] if first else ROOT).hex())
-            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), k.EPOCH, tail)
+            # (HEXISTS downloads nothing), and for the tail the first of them may extend.
+            asked = [name for name in encoded.block_names if not cached_epoch or name not in known]
+            tail_parent = encoded.tail_parent(known if cached_epoch else ())
+            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), k.EPOCH,
+                     k.field(k.TAIL, tail_parent))
             return [state, *(("HEXISTS", key, k.field(k.BLOCK, name)) for name in asked)]
 
         def decide(key: str, replies: list[Any]) -> Plan:
@@ -307,24 +293,21 @@ class RedisTokenStore:
                     ),
                 )
             held_names = {name for name, present in zip(asked, held, strict=True) if present}
+            if cached_epoch:
+                held_names |= known
+            # The codec decides which bytes are new; only those cross the wire.
+            writes = encoded.plan(held_names, {tail_parent: tail} if tail else {})
             fields: list[Any] = [k.VERSION, _int(version) + 1, k.field(k.ENTRY, call_id),
-                                 stored.body, k.field(k.DIGEST, call_id), digest,
+                                 encoded.body, k.field(k.DIGEST, call_id), digest,
                                  k.EPOCH, seen_epoch]
-            first_asked = asked[0] if asked else None
-            for name, parent, data in blocks:
-                if name in held_names or (cached_epoch and name in known):
-                    continue
-                extension = extends(tail, parent, data) if name == first_asked else None
-                if extension:  # only the ids the partial block lacked cross the wire
-                    fields += [k.field(k.BLOCK, name), extension_block(parent, *extension)]
-                else:
-                    fields += [k.field(k.BLOCK, name), whole_block(parent, data)]
-                if len(data) < full_block:  # a partial block a later call may extend
-                    fields += [k.field(k.TAIL, parent.hex()), tail_value(name, data)]
+            for name, stored in writes.blocks:
+                fields += [k.field(k.BLOCK, name), stored]
+            for parent, value in writes.tails:
+                fields += [k.field(k.TAIL, parent), value]
             return Plan(writes=[("HSET", key, *fields)])
 
         await self._transact(entry.rollout_id, reads, decide)
-        names = {name for name, _, _ in blocks}
+        names = set(encoded.block_names)
         if seen_epoch == cached_epoch:
             names |= known
         self._known[entry.rollout_id] = (seen_epoch, names)

@@ -23,12 +23,12 @@ STATE_FIELDS = (VERSION, FROZEN, SNAPSHOT_ID, INCOMPLETE, RETIRED, RETIRED_AT)
 EPOCH = "epoch"
 
 # Per-call and per-block fields, by kind.
-ENTRY = "e:"  # e:<model_call_id> -> codec body
+ENTRY = "e:"  # e:<model_call_id> -> the codec body
 DIGEST = "d:"  # d:<model_call_id> -> payload digest (idempotency check)
 INTENT = "i:"  # i:<model_call_id> -> OPEN or VOID
 MARK = "m:"  # m:<model_call_id> -> why the call was lost ("" call id: the rollout as a whole)
-BLOCK = "b:"  # b:<block name> -> a block of a call's sequence (see transports.redis_records)
-TAIL = "t:"  # t:<parent block name> -> the partial block under it that a later call may extend
+BLOCK = "b:"  # b:<block name> -> a stored block of the codec (see capture.blocks)
+TAIL = "t:"  # t:<parent block name> -> the codec tail: the partial block a later call may extend
 
 INTENT_OPEN = b"open"
 INTENT_VOID = b"void"

@@ -1,0 +1,159 @@
+"""Content-addressed blocks: how one call's token sequence is cut, named, stored and read back.
+
+A call's sequence (prompt + generation) is cut into blocks of B tokens. Each block is named by
+a chained digest (blake2b-128 of its parent's digest and its packed ids, as in paged prefix
+caching), so the same prefix always yields the same names and a rollout stores each block
+once. The next call's prompt starts with this call's sequence, so a generation is stored once,
+in blocks the next prompt shares.
+
+A stored block carries its parent link, so an entry needs only its last block's name (the
+tip) and the block count. A sequence's last block is usually partial; when a later call fills
+it up, the longer block is stored as an *extension*: the earlier block's name plus the extra
+ids. A store keeps a *tail* per parent (the partial block a later call may extend) and passes
+what it holds to ``plan_writes``, which decides what new bytes must be stored.
+
+Stored block bytes: ``b"w" + parent + ids`` (whole) or ``b"x" + parent + base + extra ids``
+(extension), with 16-byte digests; a tail value is the partial block's digest and byte length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+DIGEST_BYTES = 16  # blake2b-128: collisions are not a practical concern within one rollout
+ROOT = bytes(DIGEST_BYTES)  # the parent of a sequence's first block
+ROOT_NAME = ROOT.hex()
+ID_BYTES = 4  # uint32 ids
+_WHOLE, _EXTENSION = b"w", b"x"
+_HEAD = 1 + DIGEST_BYTES  # kind byte and parent digest
+
+
+def chain_digest(parent: bytes, data: bytes) -> bytes:
+    """A block's digest: blake2b-128 of its parent's digest and its packed ids."""
+    return hashlib.blake2b(parent + data, digest_size=DIGEST_BYTES).digest()
+
+
+class Block(NamedTuple):
+    """One block of a sequence: its name, its parent's digest, its packed ids."""
+
+    name: str
+    parent: bytes
+    data: bytes
+
+
+def cut(packed: bytes, block_size: int) -> list[Block]:
+    """Cut packed uint32 ids into chained blocks of ``block_size`` ids."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    step = ID_BYTES * block_size
+    blocks = []
+    parent = ROOT
+    blake2b = hashlib.blake2b
+    for start in range(0, len(packed), step):
+        data = packed[start : start + step]
+        hasher = blake2b(parent, digest_size=DIGEST_BYTES)  # = chain_digest, without a copy
+        hasher.update(data)
+        digest = hasher.digest()
+        blocks.append(Block(digest.hex(), parent, data))
+        parent = digest
+    return blocks
+
+
+def whole_block(block: Block) -> bytes:
+    return _WHOLE + block.parent + block.data
+
+
+def tail_value(block: Block) -> bytes:
+    """What a tail holds: the partial block's digest and its length in bytes."""
+    return bytes.fromhex(block.name) + len(block.data).to_bytes(4, "little")
+
+
+def _extends(tail: bytes | None, block: Block) -> bytes | None:
+    """The extra ids if ``block`` starts with the partial block ``tail`` names, else None.
+
+    Names are chained digests, so hashing the parent with our own leading bytes proves the
+    prefix without reading the earlier block.
+    """
+    if not tail:
+        return None
+    base, length = tail[:DIGEST_BYTES], int.from_bytes(tail[DIGEST_BYTES:], "little")
+    if not 0 < length < len(block.data) or chain_digest(block.parent, block.data[:length]) != base:
+        return None
+    return _EXTENSION + block.parent + base + block.data[length:]
+
+
+@dataclass(frozen=True)
+class Writes:
+    """What a store must add for one entry: new blocks, and the tails they set (by parent)."""
+
+    blocks: list[tuple[str, bytes]]
+    tails: list[tuple[str, bytes]]
+
+
+def plan_writes(
+    blocks: list[Block], full: int, held: Container[str], tails: Mapping[str, bytes]
+) -> Writes:
+    """The bytes to store for a sequence's blocks, given what the store already holds.
+
+    ``held`` answers whether a block name is stored; ``tails`` maps a parent's name to the
+    tail stored under it (a store that knows only some tails passes those). A block not held
+    is stored as an extension of its parent's tail when it starts with it, else whole; a
+    partial block (fewer than ``full`` bytes) becomes its parent's tail.
+    """
+    new: list[tuple[str, bytes]] = []
+    new_tails: list[tuple[str, bytes]] = []
+    for block in blocks:
+        if block.name in held:
+            continue
+        parent = block.parent.hex()
+        new.append((block.name, _extends(tails.get(parent), block) or whole_block(block)))
+        if len(block.data) < full:
+            new_tails.append((parent, tail_value(block)))
+    return Writes(new, new_tails)
+
+
+def parent_of(stored: bytes) -> str:
+    """The parent name a stored block links to (``ROOT_NAME`` for a sequence's first)."""
+    return stored[1:_HEAD].hex()
+
+
+def chain_names(tip: str, count: int, blocks: Mapping[str, bytes]) -> list[str]:
+    """The names of the chain ending in ``tip``, first block first, through parent links."""
+    names: list[str] = []
+    name = tip
+    while len(names) < count:
+        stored = blocks.get(name)
+        if stored is None:
+            raise ValueError(f"prompt block {name} of a stored entry is missing")
+        names.append(name)
+        name = parent_of(stored)
+    if count and name != ROOT_NAME:
+        raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
+    return names[::-1]
+
+
+def block_ids(name: str, blocks: Mapping[str, bytes], cache: dict[Any, Any]) -> bytes:
+    """A block's packed ids, following extensions iteratively; ``cache`` keeps resolved ones."""
+    pending = [name]
+    while pending:
+        current = pending[-1]
+        if current in cache:
+            pending.pop()
+            continue
+        stored = blocks.get(current)
+        if stored is None:
+            raise ValueError(f"prompt block {current} of a stored entry is missing")
+        if stored[:1] == _WHOLE:
+            cache[current] = stored[_HEAD:]
+            pending.pop()
+            continue
+        base = stored[_HEAD : _HEAD + DIGEST_BYTES].hex()
+        if base not in cache:
+            pending.append(base)
+            continue
+        cache[current] = cache[base] + stored[_HEAD + DIGEST_BYTES :]
+        pending.pop()
+    return cache[name]
