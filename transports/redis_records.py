@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
-
-from capture.codec import decode_entry
+from capture.codec import decode_entry, read_body
 from capture.records import TokenCaptureSnapshot
 from transports import redis_keys as k
 
@@ -63,7 +61,7 @@ def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
     pending = [c for c, v in kinds[k.INTENT].items() if v == k.INTENT_OPEN and c not in bodies]
     prompt_max, generated = 0, 0
     for body in bodies.values():
-        data = msgpack.unpackb(body, raw=False)
+        data = read_body(body)
         prompt_max = max(prompt_max, data["prompt_len"])
         generated += data["generated"]
     retired = _flag(fields, k.RETIRED)
