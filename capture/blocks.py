@@ -120,16 +120,23 @@ def parent_of(stored: bytes) -> str:
     return stored[1:_HEAD].hex()
 
 
-def chain_names(tip: str, count: int, blocks: Mapping[str, bytes]) -> list[str]:
-    """The names of the chain ending in ``tip``, first block first, through parent links."""
+def chain_names(
+    tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any] | None = None
+) -> list[str]:
+    """The names of the chain ending in ``tip``, first block first, through parent links
+    (``cache`` keeps each block's parent name for the other entries of a snapshot)."""
+    cache = {} if cache is None else cache
     names: list[str] = []
     name = tip
     while len(names) < count:
-        stored = blocks.get(name)
-        if stored is None:
-            raise ValueError(f"prompt block {name} of a stored entry is missing")
         names.append(name)
-        name = parent_of(stored)
+        parent = cache.get(("parent", name))
+        if parent is None:
+            stored = blocks.get(name)
+            if stored is None:
+                raise ValueError(f"prompt block {name} of a stored entry is missing")
+            parent = cache["parent", name] = parent_of(stored)
+        name = parent
     if count and name != ROOT_NAME:
         raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
     return names[::-1]
