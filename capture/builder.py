@@ -16,9 +16,9 @@ the harness's final answer, when exactly one leaf matches; otherwise the earlies
 ``created_at``, then call id) and its longest path. Other chains (titles, compaction
 summaries, sub-agents) are reported, never silently dropped.
 
-Prefix tests are memcmp on packed ids. Full sequences are indexed by their first tokens and
-by length, and a prompt tries the longest candidate lengths first, so an ordinary chain
-finds its parent with one comparison and the whole build costs about one pass over the ids.
+Full sequences are indexed by their first tokens and by length, and a prompt tries the
+longest candidate lengths first, so an ordinary chain finds its parent with one comparison
+and the whole build costs about one pass over the ids.
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ from typing import Any
 
 from capture.errors import ConflictingEntryError
 from capture.final_answer import answer_signature
-from capture.projection import flat_ids_and_mask, id_bytes, project_chain
+from capture.projection import flat_ids_and_mask, project_chain
 from capture.records import TokenEntry
 
 # Full sequences are grouped by their first tokens, so an unrelated root (a title call with
 # its own system prompt) is never compared against every call of the main chain.
 _KEY_TOKENS = 32
-_KEY_BYTES = 4 * _KEY_TOKENS
 
 
 @dataclass(frozen=True)
@@ -108,6 +107,23 @@ class BuildResult:
         }
 
 
+def _extends(prompt: list[int], parent: TokenEntry) -> bool:
+    """Whether ``prompt`` starts with the parent's prompt + generation.
+
+    Cheap probes first (a sibling branch usually differs at its end); then list equality,
+    which is pointer comparison when the ids share objects, as a store's freeze hands them.
+    """
+    before = parent.prompt_token_ids
+    generation = parent.generation_token_ids
+    start = len(before)
+    end = start + len(generation)
+    if end > len(prompt) or prompt[end - 1] != generation[-1] or prompt[start] != generation[0]:
+        return False
+    if before and prompt[start - 1] != before[-1]:
+        return False
+    return prompt[start:end] == generation and prompt[:start] == before
+
+
 @dataclass
 class _LengthIndex:
     """Full sequences (as call positions) by length, lengths kept sorted."""
@@ -123,18 +139,11 @@ class _LengthIndex:
         else:
             calls.append(call)
 
-    def longest_prefixes(
-        self, prompt: bytes, prompts: list[bytes], generations: list[bytes]
-    ) -> list[int]:
+    def longest_prefixes(self, prompt: list[int], calls: list[TokenEntry]) -> list[int]:
         """Calls whose full sequence is the longest prefix of ``prompt`` found here."""
         position = bisect_right(self.lengths, len(prompt)) - 1
         while position >= 0:
-            found = [
-                call
-                for call in self.at[self.lengths[position]]
-                if prompt.startswith(prompts[call])
-                and prompt.startswith(generations[call], len(prompts[call]))
-            ]
+            found = [c for c in self.at[self.lengths[position]] if _extends(prompt, calls[c])]
             if found:
                 return found
             position -= 1
@@ -180,52 +189,54 @@ def _unique(entries: Iterable[TokenEntry]) -> list[TokenEntry]:
     return list(by_id.values())
 
 
-def _link(calls: list[TokenEntry]) -> tuple[list[int | None], list[bool], list[bytes]]:
+def _link(calls: list[TokenEntry]) -> tuple[list[int | None], list[bool]]:
     """Parent position and ambiguity of each call (calls sorted by prompt length)."""
-    prompts: list[bytes] = []
-    generations: list[bytes] = []
     parents: list[int | None] = []
     ambiguous: list[bool] = []
-    keyed: dict[bytes, _LengthIndex] = {}
+    keyed: dict[tuple[int, ...], _LengthIndex] = {}
     short = _LengthIndex()  # full sequences shorter than the key
     for position, entry in enumerate(calls):
-        prompt = id_bytes(entry.prompt_token_ids)
-        generation = id_bytes(entry.generation_token_ids)
+        prompt = entry.prompt_token_ids
         found: list[int] = []
-        if len(prompt) >= _KEY_BYTES:
-            group = keyed.get(prompt[:_KEY_BYTES])
+        if len(prompt) >= _KEY_TOKENS:
+            group = keyed.get(tuple(prompt[:_KEY_TOKENS]))
             if group is not None:
-                found = group.longest_prefixes(prompt, prompts, generations)
+                found = group.longest_prefixes(prompt, calls)
         if not found:
-            found = short.longest_prefixes(prompt, prompts, generations)
+            found = short.longest_prefixes(prompt, calls)
         # Candidates are in processing order, so the nominal parent of an ambiguous call
         # does not depend on arrival order.
         parents.append(found[0] if found else None)
         ambiguous.append(len(found) > 1)
-        prompts.append(prompt)
-        generations.append(generation)
-        full = len(prompt) + len(generation)
-        if full >= _KEY_BYTES:
-            key = (prompt + generation[: _KEY_BYTES - len(prompt)])[:_KEY_BYTES]
+        full = len(prompt) + len(entry.generation_token_ids)
+        if full >= _KEY_TOKENS:
+            key = tuple((prompt[:_KEY_TOKENS] + entry.generation_token_ids[:_KEY_TOKENS])[:_KEY_TOKENS])
             keyed.setdefault(key, _LengthIndex()).add(full, position)
         else:
             short.add(full, position)
-    return parents, ambiguous, prompts
+    return parents, ambiguous
 
 
-def _retry_groups(parents: list[int | None], prompts: list[bytes]) -> list[list[int]]:
+def _retry_groups(parents: list[int | None], calls: list[TokenEntry]) -> list[list[int]]:
     """Sibling calls with identical prompts (identical prompts imply the same parent)."""
     buckets: dict[tuple[int | None, int], list[int]] = {}
     for position, parent in enumerate(parents):
-        buckets.setdefault((parent, len(prompts[position])), []).append(position)
+        size = len(calls[position].prompt_token_ids)
+        buckets.setdefault((parent, size), []).append(position)
     groups = []
     for members in buckets.values():
         if len(members) < 2:
             continue
-        same: dict[bytes, list[int]] = {}
+        same: list[list[int]] = []
         for position in members:
-            same.setdefault(prompts[position], []).append(position)
-        groups.extend(group for group in same.values() if len(group) > 1)
+            prompt = calls[position].prompt_token_ids
+            for group in same:
+                if calls[group[0]].prompt_token_ids == prompt:
+                    group.append(position)
+                    break
+            else:
+                same.append([position])
+        groups.extend(group for group in same if len(group) > 1)
     return groups
 
 
@@ -243,7 +254,7 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
         key=lambda e: (len(e.prompt_token_ids), e.model_call_id),
     )
     ids = [call.model_call_id for call in calls]
-    parents, ambiguous, prompts = _link(calls)
+    parents, ambiguous = _link(calls)
 
     has_child = [False] * len(calls)
     for parent in parents:
@@ -251,12 +262,11 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
             has_child[parent] = True
     discarded: set[int] = set()
     unresolved: list[tuple[str, ...]] = []
-    for group in _retry_groups(parents, prompts):
+    for group in _retry_groups(parents, calls):
         if any(has_child[position] for position in group):
             discarded.update(position for position in group if not has_child[position])
         else:
             unresolved.append(tuple(sorted(ids[position] for position in group)))
-    del prompts  # the packed ids are no longer needed; a long rollout holds a lot of them
 
     # One forward pass: a parent always sorts before its child (its prompt is shorter).
     depth = [0] * len(calls)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,11 +20,6 @@ from capture.records import TokenEntry
 
 # Content part types whose ``text`` is what the model wrote (or, for input parts, was shown).
 _TEXT_PARTS = ("output_text", "text", "input_text")
-
-
-def id_bytes(ids: Iterable[int]) -> bytes:
-    """Token ids as native uint32 bytes: prefix tests become one memcmp."""
-    return array("I", ids).tobytes()
 
 
 def content_text(content: Any) -> str:
@@ -171,7 +165,7 @@ def contiguity_errors(items: Iterable[Any]) -> list[str]:
     generation, so the whole output is one token sequence.
     """
     errors = []
-    previous: bytes | None = None
+    previous: list[int] | None = None
     for index, item in enumerate(carriers(items)):
         prompt = item.get("prompt_token_ids")
         generation = item.get("generation_token_ids")
@@ -182,13 +176,12 @@ def contiguity_errors(items: Iterable[Any]) -> list[str]:
             continue
         if not isinstance(log_probs, list) or len(log_probs) != len(generation):
             errors.append(f"carrier {index} has log-probs that do not match its generation")
-        packed_prompt = id_bytes(prompt)
-        if previous is not None and not packed_prompt.startswith(previous):
+        if previous is not None and prompt[: len(previous)] != previous:
             errors.append(
                 f"carrier {index}'s prompt does not start with carrier {index - 1}'s "
                 "prompt and generation"
             )
-        previous = packed_prompt + id_bytes(generation)
+        previous = prompt + generation
     return errors
 
 
@@ -203,12 +196,10 @@ def flat_ids_and_mask(items: Iterable[Any]) -> tuple[list[int], list[int]]:
     """
     ids: list[int] = []
     mask: list[int] = []
-    running = bytearray()
     for index, item in enumerate(carriers(items)):
         prompt = item["prompt_token_ids"]
         generation = item["generation_token_ids"]
-        packed_prompt = id_bytes(prompt)
-        if not packed_prompt.startswith(running):
+        if prompt[: len(ids)] != ids:
             raise ValueError(
                 f"carrier {index}'s prompt does not extend the sequence before it; "
                 "the output is not contiguous"
@@ -218,6 +209,4 @@ def flat_ids_and_mask(items: Iterable[Any]) -> tuple[list[int], list[int]]:
         mask.extend([0] * len(context))
         ids.extend(generation)
         mask.extend([1] * len(generation))
-        running[len(running) :] = packed_prompt[len(running) :]
-        running.extend(id_bytes(generation))
     return ids, mask
