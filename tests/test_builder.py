@@ -403,3 +403,16 @@ def test_ten_thousand_turns_build_without_recursion():
     assert len(build.output) == turns
     assert build.output[-1]["prompt_token_ids"] == master[:turns]
     assert build.generated_tokens_delivered == turns
+
+
+def test_a_chat_shaped_final_answer_matches_a_responses_leaf():
+    main = chain_entries(2)
+    side = chain_entries(2, prefix="z", system=[8, 9], created_at=-10)
+    chat_answer = [
+        {"role": "user", "content": "fix it"},
+        {"role": "assistant", "content": [{"type": "text", "text": "c says 1"}]},
+    ]
+    assert run_builder(side + main, final_answer=chat_answer).main_chain[0] == "c000"
+    assert run_builder(side + main, final_answer=message("c  says 1")).main_chain[0] == "c000"
+    # An answer no leaf produced falls back to the earliest root.
+    assert run_builder(side + main, final_answer="something else").main_chain[0] == "z000"
