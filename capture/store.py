@@ -2,7 +2,7 @@
 
 Each rollout is one append-only log (``<dir>/<rollout_id>.log``, see ``capture.filelog``) of
 small records: entries, intents, voids, lost-call marks and the freeze. Entries use the shared
-codec, and a record carries only the prompt blocks the rollout has not stored yet, so the
+codec, and a record carries only the blocks the rollout has not stored yet, so the
 bytes on disk grow with the final context, not with turns x context. Every write is fsynced
 before the call returns. The version is the number of state changes, so any write that races
 a freeze leaves the frozen snapshot's version behind and its drop fails. Dropping replaces

@@ -81,8 +81,9 @@ class RedisTokenStore:
     Keyword arguments only: ``url`` (``redis://``, ``rediss://`` for TLS, password in the URL)
     or ``client`` (an existing ``redis.asyncio.Redis``, left open on close); ``key_prefix``;
     ``durability`` ("fsync", "replicas:N" or "none"); ``tombstone_ttl_s``; socket, connect
-    and durability-wait timeouts; ``max_retries`` on connection errors; ``block_size`` (every
-    writer of one rollout must use the same, as it enters the payload digest). Nothing
+    and durability-wait timeouts; ``max_retries`` on connection errors; ``block_size`` (writers
+    of one rollout share blocks only when they use the same; the payload digest does not
+    depend on it). Nothing
     connects until first use, so the store can be built outside an event loop.
     """
 
