@@ -19,10 +19,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api import sse
+from api import jsonbytes, sse
 from api.capture_step import capture
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
+from api.jsonbytes import JSONBytesResponse
 from api.metrics import FrontEndMetrics
 from api.routing import ASGIApp, CapturePrefixRouter, Receive, Scope, Send
 from api.settings import ServerSettings, settings_from_environment
@@ -130,7 +131,7 @@ class BodyLimit:
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = jsonbytes.loads_stdlib(raw)
     except ValueError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
@@ -169,7 +170,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         return StreamingResponse(
             _chunks(dialect.stream(reply, body)), media_type="text/event-stream", headers=sse.SSE_HEADERS
         )
-    return JSONResponse(reply)
+    return JSONBytesResponse(reply)
 
 
 def _request_body(schema: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from api import jsonbytes
+
 # What every upstream call asks for; the id capture depends on these.
 CAPTURE_PARAMS: dict[str, Any] = {
     "logprobs": True,
@@ -27,6 +29,10 @@ CAPTURE_PARAMS: dict[str, Any] = {
     "stream": False,
 }
 TOKEN_ID_PREFIX = "token_id:"
+JSON_HEADERS = {"content-type": "application/json"}
+# httpx's default pool size, with every connection kept alive: concurrent calls of a harness
+# fleet reuse warm connections instead of reconnecting beyond httpx's default of 20 idle ones.
+MAX_CONNECTIONS = 100
 
 
 class UpstreamError(Exception):
@@ -177,12 +183,17 @@ class UpstreamClient:
         self.model = model
         self.sampling_overrides = dict(sampling_overrides or {})
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0)
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(
+                max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
+            ),
         )
 
     async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        content = jsonbytes.dumps(body)  # ValueError for NaN, as httpx's json= raised
         try:
-            response = await self._http.post(path, json=body)
+            response = await self._http.post(path, content=content, headers=JSON_HEADERS)
         except httpx.HTTPError as exc:
             raise UpstreamError(
                 502, f"upstream {self.base_url} unreachable: {type(exc).__name__}: {exc}"
@@ -192,7 +203,7 @@ class UpstreamClient:
             status = response.status_code if response.status_code < 500 else 502
             raise UpstreamError(status, f"upstream: {_error_message(response)}")
         try:
-            data = response.json()
+            data = jsonbytes.loads(response.content)
         except ValueError as exc:
             raise UpstreamError(502, "upstream answered with invalid JSON") from exc
         if not isinstance(data, dict):

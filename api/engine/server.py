@@ -18,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from api.jsonbytes import JSONBytesResponse
+
 from . import responses
 from .generation import ContextLengthError, Engine, SamplingParams, ScriptedError
 from .policies import Conversation
@@ -133,7 +135,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             return StreamingResponse(
                 responses.chat_stream(tokenizer, gens, opts), media_type="text/event-stream"
             )
-        return JSONResponse(responses.chat_completion(tokenizer, gens, opts))
+        return JSONBytesResponse(responses.chat_completion(tokenizer, gens, opts))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -163,18 +165,18 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 responses.completion_stream(tokenizer, batches, opts, n),
                 media_type="text/event-stream",
             )
-        return JSONResponse(responses.completion(tokenizer, batches, opts, n))
+        return JSONBytesResponse(responses.completion(tokenizer, batches, opts, n))
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+    async def tokenize(req: TokenizeRequest) -> Response:
         if req.messages is not None:
             text = engine.render_chat(req.messages, req.tools, req.add_generation_prompt)
         else:
             text = req.prompt or ""
         ids = tokenizer.encode(text)
         strs = [tokenizer.hf.id_to_token(i) for i in ids] if req.return_token_strs else None
-        return JSONResponse({"count": len(ids), "max_model_len": settings.max_model_len,
-                             "tokens": ids, "token_strs": strs})
+        return JSONBytesResponse({"count": len(ids), "max_model_len": settings.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
