@@ -10,6 +10,7 @@ count of its blocks; ``EncodedEntry.plan`` tells a store which bytes it must add
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import sys
@@ -29,6 +30,7 @@ from capture.blocks import (
     block_ids,
     chain_names,
     cut,
+    parent_of,
     plan_writes,
     whole_block,
 )
@@ -168,10 +170,81 @@ def read_body(body: bytes) -> dict[str, Any]:
     return data
 
 
+def decode_entries(
+    bodies: Iterable[bytes], blocks: Mapping[str, bytes], *, trusted: bool = False
+) -> list[TokenEntry]:
+    """Decode every entry of one snapshot, sharing the work between them; input order kept.
+
+    Shorter chains are decoded first, so each entry starts from the prefix its parent call
+    already assembled.
+    """
+    bodies = list(bodies)
+    order = sorted(range(len(bodies)), key=lambda i: read_body(bodies[i])["n_blocks"])
+    cache: dict[Any, Any] = {}
+    decoded: dict[int, TokenEntry] = {}
+    # Millions of fresh list slots would trigger full collections that scan them all, for
+    # nothing: these lists hold only ints and cannot form cycles.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for index in order:
+            decoded[index] = decode_entry(bodies[index], blocks, cache=cache, trusted=trusted)
+    finally:
+        if collecting:
+            gc.enable()
+    return [decoded[index] for index in range(len(bodies))]
+
+
 def body_block_names(body: bytes, blocks: Mapping[str, bytes]) -> list[str]:
     """The block names a stored body's chain runs through, first block first."""
     data = read_body(body)
     return chain_names(data["tip"], data["n_blocks"], blocks)
+
+
+def _assemble(tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any]) -> list[int]:
+    """The ids of the chain ending in ``tip``.
+
+    The walk back from the tip stops at the longest prefix an earlier entry of this snapshot
+    already assembled (recorded at its tip's parent, a whole block), so a long rollout copies
+    one list per entry instead of walking and extending every block of every prompt.
+    """
+    names: list[str] = []
+    name = tip
+    start: list[int] = []
+    previous: str | None = None  # the last block already in ``start``
+    while len(names) < count:
+        known = cache.get(("seq", name))
+        if known is not None:
+            assembled, length, depth = known
+            if depth + len(names) != count:
+                raise ValueError(f"block chain ending in {tip} does not have {count} blocks")
+            start, previous = assembled[:length], name
+            break
+        names.append(name)
+        parent = cache.get(("parent", name))
+        if parent is None:
+            stored = blocks.get(name)
+            if stored is None:
+                raise ValueError(f"prompt block {name} of a stored entry is missing")
+            parent = cache["parent", name] = parent_of(stored)
+        name = parent
+    else:
+        if count and name != ROOT_NAME:
+            raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
+    sequence = start
+    depth = count - len(names)
+    for name in reversed(names):
+        ids = cache.get(("ids", name))
+        if ids is None:
+            ids = cache["ids", name] = unpack_ids(block_ids(name, blocks, cache))
+        if name == tip and previous is not None:
+            # Up to the tip's parent is a prefix later entries extend; the list is shared
+            # read-only, so it is recorded with its length rather than copied.
+            cache["seq", previous] = (sequence, len(sequence), depth)
+        sequence.extend(ids)
+        previous = name
+        depth += 1
+    return sequence
 
 
 def decode_entry(
@@ -190,12 +263,7 @@ def decode_entry(
     """
     data = read_body(body)
     cache = {} if cache is None else cache
-    sequence: list[int] = []
-    for name in chain_names(data["tip"], data["n_blocks"], blocks, cache):
-        ids = cache.get(("ids", name))
-        if ids is None:
-            ids = cache["ids", name] = unpack_ids(block_ids(name, blocks, cache))
-        sequence.extend(ids)
+    sequence = _assemble(data["tip"], data["n_blocks"], blocks, cache)
     prompt_len, generated = data["prompt_len"], data["generated"]
     if len(sequence) != prompt_len + generated:
         raise ValueError(

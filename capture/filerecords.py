@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture.codec import EncodedEntry, decode_entry
+from capture.codec import EncodedEntry, decode_entries
 from capture.records import TokenEntry
 
 LOG_FORMAT = 2
@@ -116,5 +116,4 @@ def entries_from_records(records: Iterable[dict[str, Any]]) -> list[TokenEntry]:
         if record["k"] == "put":
             bodies.append(record["body"])
             blocks.update(record["blocks"])
-    cache: dict[Any, Any] = {}  # blocks shared by the entries are resolved and unpacked once
-    return [decode_entry(body, blocks, cache=cache, trusted=True) for body in bodies]
+    return decode_entries(bodies, blocks, trusted=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from capture.codec import decode_entry, read_body
+from capture.codec import decode_entries, read_body
 from capture.records import TokenCaptureSnapshot
 from transports import redis_keys as k
 
@@ -34,9 +34,8 @@ def snapshot_of(
 ) -> TokenCaptureSnapshot:
     kinds = split(fields)
     bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
-    cache: dict[Any, Any] = {}  # each block is resolved and unpacked once per snapshot
-    entries = tuple(decode_entry(bodies[call_id], blocks, cache=cache, trusted=True)
-                    for call_id in sorted(bodies))
+    calls = sorted(bodies)
+    entries = tuple(decode_entries([bodies[c] for c in calls], blocks, trusted=True))
     reasons = [f"call {call_id or '(rollout)'}: {reason.decode()}"
                for call_id, reason in sorted(kinds[k.MARK].items())]
     pending = sorted(call_id for call_id, value in kinds[k.INTENT].items()
