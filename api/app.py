@@ -8,6 +8,7 @@ the reply, streamed or not. Each step reads only the previous step's output.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import time
@@ -28,7 +29,7 @@ from api.metrics import FrontEndMetrics
 from api.routing import ASGIApp, CapturePrefixRouter, Receive, Scope, Send
 from api.settings import ServerSettings, settings_from_environment
 from api.upstream import UpstreamClient, UpstreamError
-from capture.context import begin_call, void_call
+from capture.context import begin_call, current_call, void_call
 from capture.registry import install_token_sink
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
@@ -139,6 +140,22 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
+    """Write the call's intent while the engine works instead of before it.
+
+    The intent does its job if it is durable before the call's reply can reach the harness:
+    a freeze that lands before then sees the call pending, or makes ``begin_call`` fail,
+    which marks the rollout incomplete, exactly as when the intent was written before
+    dispatch. The caller awaits it before the capture step (so before the entry's put and
+    before any reply), and before voiding a call that failed upstream. Overlapping it with
+    the upstream call takes the intent's durable write (a thread hop and an fsync) off the
+    call's latency. Untagged traffic has nothing to write: None.
+    """
+    if current_call() is None:
+        return None
+    return asyncio.ensure_future(begin_call())
+
+
 async def serve_call(request: Request, dialect: Dialect) -> Response:
     """One model call: translate, call upstream, capture, reply."""
     state = request.app.state
@@ -149,11 +166,13 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     except (RequestError, TypeError, ValueError, KeyError, AttributeError) as exc:
         metrics.record_call(dialect.name, "bad_request")
         return JSONResponse(dialect.error_body(400, str(exc)), status_code=400)
-    await begin_call()
+    intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
         generation = await state.upstream.chat(chat_request)
     except Exception as exc:
+        if intent is not None:
+            await intent
         # Nothing reached the harness: the intent is resolved, the rollout is not masked.
         await void_call()
         metrics.record_call(dialect.name, "upstream_error")
@@ -163,6 +182,8 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         return JSONResponse(dialect.error_body(status, message), status_code=status)
     finally:
         metrics.upstream_seconds.labels(dialect=dialect.name).observe(time.perf_counter() - started)
+    if intent is not None:
+        await intent  # durable before the entry, and so before any reply reaches the harness
     captured = await capture(generation)
     metrics.record_call(dialect.name, captured.outcome, captured.put_seconds)
     reply = dialect.reply(captured, body)

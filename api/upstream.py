@@ -189,11 +189,19 @@ class UpstreamClient:
                 max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
             ),
         )
+        self._urls: dict[str, httpx.URL] = {}
+
+    def _url(self, path: str) -> httpx.URL:
+        # httpx parses a relative URL again on every request; each path is merged once.
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = self._http.build_request("POST", path).url
+        return url
 
     async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         content = jsonbytes.dumps(body)  # ValueError for NaN, as httpx's json= raised
         try:
-            response = await self._http.post(path, content=content, headers=JSON_HEADERS)
+            response = await self._http.post(self._url(path), content=content, headers=JSON_HEADERS)
         except httpx.HTTPError as exc:
             raise UpstreamError(
                 502, f"upstream {self.base_url} unreachable: {type(exc).__name__}: {exc}"
