@@ -26,6 +26,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from api.redis_server import RedisServer  # noqa: E402
 from bench.bench_capture import (  # noqa: E402
     STORE_KINDS,
     StoreKind,
@@ -33,7 +34,6 @@ from bench.bench_capture import (  # noqa: E402
     print_table,
     synthetic_rollout,
 )
-from tests.fixtures_redis import RedisServer  # noqa: E402
 from transports.redis import RedisTokenStore  # noqa: E402
 from transports.redis_keys import rollout_key  # noqa: E402
 

@@ -15,10 +15,6 @@ import argparse
 import asyncio
 import os
 import random
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,31 +26,14 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from api.processes import Service  # noqa: E402
+from api.redis_server import RedisServer  # noqa: E402
 from capture.records import TokenEntry  # noqa: E402
 from transports.queue import RebuildQueue, stream_names  # noqa: E402
 from transports.redis import RedisTokenStore  # noqa: E402
 from transports.results import decode_result, ensure_group  # noqa: E402
 
 VOCAB = 151_000
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_redis(data_dir: str) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server is not installed (apt-get install -y redis-server)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", data_dir, "--save", "",
-         "--appendonly", "yes", "--appendfsync", "always", "--logfile", "server.log"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def rollout_entries(rollout_id: str, args: argparse.Namespace) -> list[TokenEntry]:
@@ -97,20 +76,17 @@ async def measure(url: str, workers: int, args, log_dir: str) -> dict[str, float
     await populate(url, prefix, rollout_ids, args)
     client = aioredis.Redis.from_url(url)
     await ensure_group(client, jobs, "rebuild")
-    procs = []
-    logs = []
+    procs: list[Service] = []
     try:
         for n in range(workers):
-            log = open(os.path.join(log_dir, f"w{workers}-{n}.log"), "wb")  # noqa: SIM115
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "transports.worker_cli", "--url", url,
-                 "--key-prefix", prefix, "--consumer", f"w{n}", "--concurrency",
+            procs.append(Service(
+                f"w{workers}-{n}", "transports.worker_cli",
+                ["--url", url, "--key-prefix", prefix, "--consumer", f"w{n}", "--concurrency",
                  str(args.concurrency), "--block-ms", "50", "--log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                Path(log_dir),
             ))
         while len(await client.xinfo_consumers(jobs, "rebuild")) < workers:
-            if any(proc.poll() is not None for proc in procs):
+            if any(proc.proc.poll() is not None for proc in procs):
                 sys.exit(f"a worker exited early; see {log_dir}")
             await asyncio.sleep(0.05)
         async with RebuildQueue(client=client, stream=jobs) as queue:
@@ -124,7 +100,7 @@ async def measure(url: str, workers: int, args, log_dir: str) -> dict[str, float
             pending = (await client.xpending(jobs, "rebuild"))["pending"]
             if done >= args.rollouts and pending == 0 and await client.xlen(jobs) == 0:
                 break
-            if any(proc.poll() is not None for proc in procs):
+            if any(proc.proc.poll() is not None for proc in procs):
                 sys.exit(f"a worker exited early; see {log_dir}")
             await asyncio.sleep(0.01)
         elapsed = time.perf_counter() - started
@@ -139,35 +115,23 @@ async def measure(url: str, workers: int, args, log_dir: str) -> dict[str, float
                 "result_kib": result_bytes / args.rollouts / 1024}
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-        for log in logs:
-            log.close()
+            proc.stop()
         await client.aclose()
 
 
 async def main_async(args: argparse.Namespace) -> None:
     console = Console()
     with tempfile.TemporaryDirectory(prefix="tokcap-bench-") as tmp:
-        server, url = start_redis(tmp)
+        server = RedisServer(Path(tmp)).start()
+        url = server.url
         try:
-            client = aioredis.Redis.from_url(url)
-            for _ in range(200):
-                try:
-                    await client.ping()
-                    break
-                except Exception:
-                    await asyncio.sleep(0.05)
-            await client.aclose()
             final = args.system + args.turns * (args.gen + args.tool)
             console.print(f"{args.rollouts} rollouts x {args.turns} turns (final context "
                           f"{final} tokens), {os.cpu_count()} cores, concurrency "
                           f"{args.concurrency} per worker")
             rows = [await measure(url, workers, args, tmp) for workers in (1, 2)]
         finally:
-            os.kill(server.pid, signal.SIGTERM)
-            server.wait(timeout=30)
+            server.stop()
     table = Table(title="rebuild workers")
     for column in ("workers", "seconds", "rollouts/s", "result KiB/rollout", "masked", "dead"):
         table.add_column(column, justify="right")
