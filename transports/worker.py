@@ -101,7 +101,7 @@ class RebuildWorker:
         )
         self.durability = Durability.parse(settings.durability)
         self.errors_key = f"{settings.jobs_stream}:errors"  # job id -> last error
-        self.counts = {"done": 0, "published": 0, "retired": 0, "masked": 0, "dead": 0, "failed": 0}
+        self.counts = {"done": 0, "published": 0, "retired": 0, "masked": 0, "skipped": 0, "dead": 0, "failed": 0}
         self._stop = asyncio.Event()
         self._in_flight: dict[asyncio.Task[None], str] = {}
         self._claim_cursor = "0-0"
@@ -266,6 +266,8 @@ class RebuildWorker:
         if built.ok and not built.masked:
             retired = await retire_rollout_token_capture(rollout_id, self.source, built)
             self.counts["retired"] += int(retired)
+        elif built.skipped:
+            self.counts["skipped"] += 1  # the record already carried token ids
         else:
             self.counts["masked"] += 1
         await self._finish(job_id)
@@ -273,7 +275,7 @@ class RebuildWorker:
         log.info(
             "job %s: rollout %s snapshot %s v%s %s, result %s%s, %s",
             job_id, rollout_id, built.snapshot_id or "-", built.version,
-            "masked" if built.masked or not built.ok else "ok",
+            "skipped" if built.skipped else "masked" if built.masked or not built.ok else "ok",
             result_id, "" if fresh else " (already published)",
             "retired" if retired else "kept",
         )
