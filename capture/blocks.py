@@ -44,13 +44,13 @@ class Block(NamedTuple):
     data: bytes
 
 
-def cut(packed: bytes, block_size: int) -> list[Block]:
-    """Cut packed uint32 ids into chained blocks of ``block_size`` ids."""
+def cut(packed: bytes, block_size: int, parent: bytes = ROOT) -> list[Block]:
+    """Cut packed uint32 ids into chained blocks of ``block_size`` ids, the first one a child
+    of ``parent`` (the root, or the last whole block of a prefix cut before)."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     step = ID_BYTES * block_size
     blocks = []
-    parent = ROOT
     blake2b = hashlib.blake2b
     for start in range(0, len(packed), step):
         data = packed[start : start + step]

@@ -14,7 +14,9 @@ import gc
 import hashlib
 import json
 import sys
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ import msgpack
 from capture.blocks import (
     DIGEST_BYTES,
     ID_BYTES,
+    ROOT,
     ROOT_NAME,
     Block,
     Writes,
@@ -123,21 +126,74 @@ def _canonical_rest(rest: Mapping[str, Any]) -> bytes:
     return json.dumps(kept, sort_keys=True, separators=(",", ":"), default=repr).encode()
 
 
-def encode_entry(entry: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> EncodedEntry:
-    """Encode an entry (or anything with its fields) into body, blocks and digest."""
+class ChainMemo:
+    """The last whole-block prefix encoded per rollout, for a writer to encode the next call
+    of a rollout incrementally.
+
+    A call's prompt almost always starts with the previous call's sequence, so comparing the
+    ids (one C-level list comparison) replaces packing and hashing the whole context again.
+    Bounded: the least recently used rollouts are forgotten first.
+    """
+
+    def __init__(self, max_rollouts: int = 64) -> None:
+        self.max_rollouts = max_rollouts
+        self._known: OrderedDict[str, tuple[int, list[int], tuple[Block, ...]]] = OrderedDict()
+        self._lock = threading.Lock()  # stores encode in worker threads
+
+    def prefix(self, rollout_id: str, ids: list[int], block_size: int) -> tuple[Block, ...]:
+        """The remembered whole blocks ``ids`` starts with (empty when it does not)."""
+        with self._lock:
+            known = self._known.get(rollout_id)
+        if known is None or known[0] != block_size:
+            return ()
+        _, prefix, blocks = known
+        if len(ids) < len(prefix) or ids[: len(prefix)] != prefix:
+            return ()
+        return blocks
+
+    def remember(
+        self, rollout_id: str, sequence: list[int], chain: list[Block], block_size: int
+    ) -> None:
+        whole = len(sequence) // block_size
+        known = (block_size, sequence[: whole * block_size], tuple(chain[:whole]))
+        with self._lock:
+            self._known[rollout_id] = known
+            self._known.move_to_end(rollout_id)
+            while len(self._known) > self.max_rollouts:
+                self._known.popitem(last=False)
+
+    def forget(self, rollout_id: str) -> None:
+        with self._lock:
+            self._known.pop(rollout_id, None)
+
+
+def encode_entry(
+    entry: Any, block_size: int = DEFAULT_BLOCK_SIZE, memo: ChainMemo | None = None
+) -> EncodedEntry:
+    """Encode an entry (or anything with its fields) into body, blocks and digest.
+
+    With a ``memo``, the blocks of the prefix this writer encoded last time for the rollout
+    are reused instead of packed and hashed again; the result is the same either way.
+    """
     entry = TokenEntry.coerce(entry)
-    prompt_len = len(entry.prompt_token_ids)
+    prompt, generation = entry.prompt_token_ids, entry.generation_token_ids
+    prompt_len = len(prompt)
+    reused = memo.prefix(entry.rollout_id, prompt, block_size) if memo is not None else ()
+    start = len(reused) * block_size
     # Two packs of lists (array's fast path) and one join beat packing a chained iterator.
-    sequence = pack_ids(entry.prompt_token_ids) + pack_ids(entry.generation_token_ids)
+    rest = pack_ids(prompt[start:] if start else prompt) + pack_ids(generation)
+    chain = [*reused, *cut(rest, block_size, bytes.fromhex(reused[-1].name) if reused else ROOT)]
+    if memo is not None:
+        memo.remember(entry.rollout_id, [*prompt, *generation], chain, block_size)
+    generated = len(generation)
     log_probs = pack_floats(entry.generation_log_probs)
-    rest = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied
-    chain = cut(sequence, block_size)
+    fields = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied
     body = msgpack.packb(
         {
             "codec": CODEC_VERSION,
-            "fields": rest,
+            "fields": fields,
             "prompt_len": prompt_len,
-            "generated": len(sequence) // ID_BYTES - prompt_len,
+            "generated": generated,
             "tip": chain[-1].name if chain else "",
             "n_blocks": len(chain),
             "log_probs": log_probs,
@@ -147,11 +203,14 @@ def encode_entry(entry: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> EncodedEnt
     # The sequence enters the digest through its chain tip at the default block size, not
     # the store's, so writers with any block size agree; at the default size (the usual
     # case) the ids are hashed once, for the chain, and not a second time for the digest.
-    canonical = chain if block_size == DEFAULT_BLOCK_SIZE else cut(sequence, DEFAULT_BLOCK_SIZE)
+    if block_size == DEFAULT_BLOCK_SIZE:
+        canonical = chain
+    else:
+        canonical = cut(pack_ids(prompt) + pack_ids(generation), DEFAULT_BLOCK_SIZE)
     hasher = hashlib.blake2b(prompt_len.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
     hasher.update(canonical[-1].name.encode() if canonical else b"-")
     hasher.update(log_probs)
-    hasher.update(_canonical_rest(rest))
+    hasher.update(_canonical_rest(fields))
     return EncodedEntry(entry.model_call_id, body, tuple(chain), hasher.hexdigest(), block_size)
 
 

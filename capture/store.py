@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capture.codec import DEFAULT_BLOCK_SIZE, encode_entry
+from capture.codec import DEFAULT_BLOCK_SIZE, ChainMemo, encode_entry
 from capture.errors import (
     ConflictingEntryError,
     RolloutFrozenError,
@@ -64,6 +64,7 @@ class TokenCaptureStore:
             raise ValueError("block_size must be >= 1")
         self.dir = Path(dir).expanduser().resolve()
         self.block_size = block_size
+        self._memo = ChainMemo()  # re-encodes only what a rollout's next call adds
         self.tombstone_ttl_s = tombstone_ttl_s
         self.fsync = fsync
         self._closed = False
@@ -200,7 +201,7 @@ class TokenCaptureStore:
 
     def _put(self, entry: TokenEntry) -> None:
         path = self._path(entry.rollout_id)
-        encoded = encode_entry(entry, self.block_size)
+        encoded = encode_entry(entry, self.block_size, self._memo)
         with locked_log(path, create=True, fsync=self.fsync) as log:
             assert log is not None
             state = self._load(entry.rollout_id, log)

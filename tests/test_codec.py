@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from capture.codec import (
     CODEC_VERSION,
     DEFAULT_BLOCK_SIZE,
+    ChainMemo,
     body_block_names,
+    decode_entries,
     decode_entry,
     encode_entry,
     entry_digest,
@@ -275,3 +277,58 @@ def test_branching_family_round_trips(family, block_size):
     for entry in entries:
         assert decode_entry(encode_entry(entry, block_size).body, blocks, cache=cache,
                             trusted=True) == entry
+
+
+def growing_calls(turns: int, start: int = 3) -> list[TokenEntry]:
+    """Calls whose prompts extend the previous call's sequence by a tool output each turn."""
+    calls, prompt = [], list(range(100, 100 + start))
+    for turn in range(turns):
+        generation = [1000 + 10 * turn + i for i in range(turn % 4 + 1)]
+        calls.append(make_entry(prompt, generation, [-0.1 * (i + 1) for i in range(len(generation))],
+                                model_call_id=f"call-{turn:02d}"))
+        prompt = prompt + generation + [7] * (turn % 3 + 2)
+    return calls
+
+
+def test_incremental_encoding_equals_encoding_from_scratch() -> None:
+    memo = ChainMemo()
+    for call in growing_calls(40):
+        fresh, reused = encode_entry(call, B), encode_entry(call, B, memo)
+        assert (reused.body, reused.digest, reused.chain) == (fresh.body, fresh.digest, fresh.chain)
+
+
+def test_incremental_encoding_reuses_only_a_true_prefix() -> None:
+    memo = ChainMemo()
+    first = make_entry(range(20), model_call_id="a")
+    encode_entry(first, B, memo)
+    # Same length, one id changed inside the remembered prefix: nothing may be reused.
+    changed = make_entry([*range(3), 999, *range(4, 20), 5, 6, 7], model_call_id="b")
+    assert encode_entry(changed, B, memo).chain == encode_entry(changed, B).chain
+    # Another block size never reuses blocks cut at this one.
+    grown = make_entry([*range(20), 5, 6, 1, 2, 3], model_call_id="c")
+    assert encode_entry(grown, 4, memo).digest == encode_entry(grown, 4).digest
+    assert encode_entry(grown, 4, memo).chain == encode_entry(grown, 4).chain
+
+
+def test_chain_memo_is_bounded_least_recent_first() -> None:
+    memo = ChainMemo(max_rollouts=2)
+    for rollout in ("r-a", "r-b", "r-c"):
+        call = make_entry(range(3 * B)).model_copy(update={"rollout_id": rollout})
+        encode_entry(call, B, memo)
+    assert memo.prefix("r-a", list(range(3 * B)) + [5, 6], B) == ()
+    assert len(memo.prefix("r-c", list(range(3 * B)) + [5, 6], B)) == 3
+
+
+def test_snapshot_decoding_shares_prefixes_and_keeps_order() -> None:
+    calls = growing_calls(30)
+    memo, table, bodies = ChainMemo(), {}, []
+    for call in calls:
+        encoded = encode_entry(call, B, memo)
+        table.update(encoded.blocks)
+        bodies.append(encoded.body)
+    shuffled = bodies[::-1][::2] + bodies[::-1][1::2]
+    expected = [decode_entry(body, table) for body in shuffled]
+    assert decode_entries(shuffled, table, trusted=True) == expected
+    assert [e.model_call_id for e in expected] == [
+        decode_entry(b, table).model_call_id for b in shuffled
+    ]

@@ -28,7 +28,7 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from capture.codec import DEFAULT_BLOCK_SIZE, encode_entry
+from capture.codec import DEFAULT_BLOCK_SIZE, ChainMemo, encode_entry
 from capture.errors import (
     ConfigError,
     ConflictingEntryError,
@@ -130,6 +130,7 @@ class RedisTokenStore:
         self._max_retries = max_retries
         self._max_watch_retries = max_watch_retries
         self._block_size = block_size
+        self._memo = ChainMemo()  # re-encodes only what a rollout's next call adds
         self._lock = asyncio.Lock()
         self._closed = False
         # rollout id -> (epoch of its hash, block names it holds); saves asking about blocks
@@ -249,7 +250,7 @@ class RedisTokenStore:
     async def put(self, entry: Any) -> None:
         """Store one call's entry, durably; idempotent for the same payload."""
         entry = TokenEntry.coerce(entry)
-        encoded = encode_entry(entry, self._block_size)
+        encoded = encode_entry(entry, self._block_size, self._memo)
         call_id = encoded.model_call_id
         digest = encoded.digest.encode()
 
