@@ -249,6 +249,11 @@ def decode_entries(
         for index in order:
             decoded[index] = decode_entry(bodies[index], blocks, cache=cache, trusted=trusted)
     finally:
+        # Move what was just allocated straight to the oldest generation (freeze, then
+        # unfreeze): the young-generation passes would otherwise each walk every id slot of
+        # every entry, and nothing here can be cyclic garbage.
+        gc.freeze()
+        gc.unfreeze()
         if collecting:
             gc.enable()
     return [decoded[index] for index in range(len(bodies))]
