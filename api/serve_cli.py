@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     parser.add_argument("--upstream", help="engine URL; overrides model_server.upstream")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    # uvicorn's event loop and HTTP parser; auto takes uvloop and httptools (uvicorn[standard]).
+    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                        help="event loop (default auto: uvloop)")
+    parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
+                        help="HTTP/1.1 parser (default auto: httptools)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         workers=args.workers,
         log_level=args.log_level,
+        loop=args.loop,
+        http=args.http,
     )
     return 0
 

@@ -1,12 +1,19 @@
 """Added latency of the capturing front end over a direct engine call, same run.
 
 Starts the tokcap engine and the front end (file store, fsync on) as child processes on
-127.0.0.1 and alternates two kinds of non-streamed call with a ~16,000-token prompt: the
-engine directly (chat completions with the capture parameters), and the front end on the
+127.0.0.1 and alternates three kinds of non-streamed call with a ~16,000-token prompt: the
+engine directly (chat completions with the capture parameters), the front end on the
 capture path (Anthropic Messages, translated, forwarded, ids captured and durably put), and
 the same front end on an untagged path (the same work without the capture), so the hop and
-the capture are told apart. Prints p50/p95 of each and of the per-pair differences. A
-figure, never a test assertion.
+the capture are told apart. Prints p50/p95 of each and of the per-round differences, and
+the CPU each server process spent per call (less sensitive to a busy machine than the
+wall clock). A figure, never a test assertion.
+
+``--baseline-src DIR`` also runs an engine and a front end from another checkout of the
+sources (say ``git worktree add /tmp/base <commit>``) with the same interpreter, and
+interleaves its calls with this tree's, so a change is measured against its baseline in
+one run, with after/before ratios. ``--loop``/``--http`` pick uvicorn's event loop and
+HTTP parser for this tree's servers (default: uvloop and httptools).
 
     .venv/bin/python -m bench.bench_frontend --calls 50     # from the repository root
 """
@@ -14,11 +21,15 @@ figure, never a test assertion.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,6 +46,8 @@ env:
       enabled: true
       dir: {dir}
 """
+KINDS = ("direct", "untagged", "captured")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -43,11 +56,88 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1000, p95 * 1000
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (Linux /proc; 0 where it is unavailable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+@contextlib.contextmanager
+def servers(
+    name: str, tmp: Path, bodies: tuple[dict, dict], src: str | None, server_args: list[str]
+) -> Iterator[dict[str, tuple[str, dict, int]]]:
+    """An engine and a front end; yields {kind: (url, body, pid of the server doing the work)}."""
+    config = tmp / f"{name}.yaml"
+    config.write_text(CONFIG.format(dir=tmp / f"captures-{name}"))
+    # Another checkout: its sources only, never this tree's (no current directory on sys.path).
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": src} if src else None
+    engine_port, front_port = free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    front = f"http://127.0.0.1:{front_port}"
+    engine_cmd = [sys.executable, "-m", "api.engine.cli", "--port", str(engine_port), *server_args]
+    front_cmd = [sys.executable, "-m", "api.serve_cli", "--config", str(config),
+                 "--upstream", engine, "--port", str(front_port), "--log-level", "warning",
+                 *server_args]
+    direct_body, front_body = bodies
+    with run_process(engine_cmd, ready_url=engine + "/health", env=env) as engine_proc, \
+            run_process(front_cmd, ready_url=front + "/health", env=env) as front_proc:
+        yield {
+            "direct": (engine + "/v1/chat/completions", direct_body, engine_proc.pid),
+            "untagged": (f"{front}/v1/messages", front_body, front_proc.pid),
+            "captured": (
+                f"{front}/ng-rollout/bench-{name}/training-token-capture/v1/messages",
+                front_body,
+                front_proc.pid,
+            ),
+        }
+
+
+def measure(
+    client: httpx.Client, setups: dict[str, dict[str, tuple[str, dict, int]]], calls: int
+) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], float]]:
+    """Wall times per (setup, kind), and mean server CPU seconds per call, interleaved."""
+    times: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], float] = {}
+    for name, paths in setups.items():
+        for kind, (url, body, _) in paths.items():
+            for _ in range(3):
+                client.post(url, json=body).raise_for_status()  # warm-up every path
+            times[name, kind], cpu[name, kind] = [], 0.0
+    for _ in range(calls):
+        for name, paths in setups.items():
+            for kind, (url, body, pid) in paths.items():
+                cpu_before = cpu_seconds(pid)
+                start = time.perf_counter()
+                client.post(url, json=body).raise_for_status()
+                times[name, kind].append(time.perf_counter() - start)
+                time.sleep(0.002)  # the server's bookkeeping after the reply counts too
+                cpu[name, kind] += cpu_seconds(pid) - cpu_before
+    return times, {key: total / calls for key, total in cpu.items()}
+
+
+def rows(times: dict[str, list[float]]) -> list[tuple[str, list[float]]]:
+    return [
+        ("direct engine", times["direct"]),
+        ("front end, untagged", times["untagged"]),
+        ("front end, captured", times["captured"]),
+        ("added: captured - direct", diff(times["captured"], times["direct"])),
+        ("added: untagged - direct", diff(times["untagged"], times["direct"])),
+        ("added: captured - untagged", diff(times["captured"], times["untagged"])),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--prompt-tokens", type=int, default=16000)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--baseline-src", default=None,
+                        help="another checkout's root to run and compare against, same run")
+    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
+    parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto")
     args = parser.parse_args(argv)
     prompt = prompt_of(args.prompt_tokens)
     direct_body = {
@@ -61,46 +151,41 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "messages": [{"role": "user", "content": prompt}],
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "serve.yaml"
-        config.write_text(CONFIG.format(dir=Path(tmp) / "captures"))
-        engine_port, front_port = free_port(), free_port()
-        engine = f"http://127.0.0.1:{engine_port}"
-        front = f"http://127.0.0.1:{front_port}"
-        engine_cmd = [sys.executable, "-m", "api.engine.cli", "--port", str(engine_port)]
-        front_cmd = [sys.executable, "-m", "api.serve_cli", "--config", str(config),
-                     "--upstream", engine, "--port", str(front_port), "--log-level", "warning"]
-        with run_process(engine_cmd, ready_url=engine + "/health"), \
-                run_process(front_cmd, ready_url=front + "/health"), \
-                httpx.Client(timeout=120) as client:
-            url = f"{front}/ng-rollout/bench-1/training-token-capture/v1/messages"
-            plain_url = f"{front}/v1/messages"
-            paths = {
-                "direct": (engine + "/v1/chat/completions", direct_body),
-                "untagged": (plain_url, front_body),
-                "captured": (url, front_body),
-            }
-            times: dict[str, list[float]] = {name: [] for name in paths}
-            for target, body in paths.values():
-                client.post(target, json=body).raise_for_status()  # warm-up every path
-            for _ in range(args.calls):
-                for name, (target, body) in paths.items():
-                    start = time.perf_counter()
-                    client.post(target, json=body).raise_for_status()
-                    times[name].append(time.perf_counter() - start)
-            prompt_tokens = client.post(engine + "/tokenize", json={"model": "tokcap-engine", "messages": direct_body["messages"]}).json()["count"]
-    print(f"prompt {prompt_tokens} tokens, {args.calls} rounds, max_tokens {args.max_tokens}")
-    rows = [
-        ("direct engine", times["direct"]),
-        ("front end, untagged", times["untagged"]),
-        ("front end, captured", times["captured"]),
-        ("added: captured - direct", diff(times["captured"], times["direct"])),
-        ("added: untagged - direct", diff(times["untagged"], times["direct"])),
-        ("added: captured - untagged", diff(times["captured"], times["untagged"])),
-    ]
-    for label, values in rows:
-        p50, p95 = percentiles(values)
-        print(f"{label:28s} p50 {p50:7.2f} ms  p95 {p95:7.2f} ms")
+    bodies = (direct_body, front_body)
+    server_args = ["--loop", args.loop, "--http", args.http]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        setups: dict[str, Any] = {}
+        if args.baseline_src:
+            src = os.path.abspath(args.baseline_src)
+            setups["before"] = stack.enter_context(servers("before", Path(tmp), bodies, src, []))
+        setups["after" if args.baseline_src else "this"] = stack.enter_context(
+            servers("this", Path(tmp), bodies, None, server_args)
+        )
+        client = stack.enter_context(httpx.Client(timeout=120))
+        times, cpu = measure(client, setups, args.calls)
+        engine = next(iter(setups.values()))["direct"][0].rsplit("/v1/", 1)[0]
+        prompt_tokens = client.post(
+            engine + "/tokenize", json={"model": "tokcap-engine", "messages": direct_body["messages"]}
+        ).json()["count"]
+    print(f"prompt {prompt_tokens} tokens, {args.calls} interleaved rounds, "
+          f"max_tokens {args.max_tokens}, loop {args.loop}, http {args.http}")
+    names = list(setups)
+    table = {name: rows({kind: times[name, kind] for kind in KINDS}) for name in names}
+    header = "".join(f"  {name + ' p50':>12s} {'p95':>8s}" for name in names)
+    ratio = "  after/before p50" if len(names) == 2 else ""
+    print(f"{'ms':28s}{header}{ratio}")
+    for index, (label, _) in enumerate(table[names[0]]):
+        cells, p50s = "", []
+        for name in names:
+            p50, p95 = percentiles(table[name][index][1])
+            cells += f"  {p50:12.2f} {p95:8.2f}"
+            p50s.append(p50)
+        if ratio:
+            cells += f"  {p50s[1] / p50s[0]:17.2f}" if p50s[0] > 0 else f"  {'-':>17s}"
+        print(f"{label:28s}{cells}")
+    print("server CPU per call, ms (the engine for direct, the front end otherwise):")
+    for name in names:
+        print(f"  {name:8s}" + "".join(f"  {kind} {cpu[name, kind] * 1000:6.2f}" for kind in KINDS))
     print("target: captured - direct <= 2 ms p50")
     return 0
 

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--without-token-ids", action="store_true",
                         help="answer like vLLM < 0.10.2: no prompt_token_ids/token_ids fields")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                        help="event loop (default auto: uvloop)")
+    parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
+                        help="HTTP/1.1 parser (default auto: httptools)")
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -55,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"tokcap engine: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(
+        create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+        loop=args.loop, http=args.http,
+    )
     return 0
 
 
