@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from capture.errors import RolloutFrozenError
 from capture.extract import entry_from_response
 from capture.protocols import TokenSink
 from capture.records import TokenEntry
@@ -77,8 +78,18 @@ async def begin_call() -> None:
     try:
         await begin(call.rollout_id, call.model_call_id)
         call.intent_recorded = True
+    except RolloutFrozenError as exc:
+        # The call began after its rollout was frozen: it is not part of the snapshot, and
+        # writing a loss now would only change a snapshot already handed to its consumer.
+        _not_captured(call, f"call after freeze: {exc}")
     except Exception as exc:  # an intent that failed to record must not fail the call
         await mark_incomplete(f"begin_call failed: {exc}")
+
+
+def _not_captured(call: CallCapture, reason: str) -> None:
+    call.incomplete = True
+    call.error = reason
+    log.warning("rollout %s call %s not captured: %s", call.rollout_id, call.model_call_id, reason)
 
 
 async def mark_incomplete(reason: str) -> None:
@@ -116,6 +127,13 @@ async def capture_tokens(response: Mapping[str, Any], **extra: Any) -> TokenEntr
         return None
     try:
         await call.sink.put(entry)
+    except RolloutFrozenError as exc:
+        if call.intent_recorded:
+            # The frozen snapshot already counts this call's pending intent as lost.
+            _not_captured(call, f"put after freeze: {exc}")
+        else:
+            await mark_incomplete(f"put failed: {type(exc).__name__}: {exc}")
+        return None
     except Exception as exc:
         await mark_incomplete(f"put failed: {type(exc).__name__}: {exc}")
         return None

@@ -18,6 +18,7 @@ from capture.context import (
     void_call,
 )
 from capture.errors import RolloutFrozenError
+from capture.records import TokenEntry
 from capture.store import TokenCaptureStore
 
 
@@ -228,13 +229,29 @@ async def test_void_after_capture_changes_nothing(store):
     assert not snapshot.incomplete and len(snapshot.entries) == 1
 
 
-async def test_intent_after_freeze_marks_incomplete(store):
-    await store.freeze("9-4")
+async def test_a_call_after_freeze_is_not_captured_and_changes_no_snapshot(store):
+    await store.put(TokenEntry(rollout_id="9-4", model_call_id="a", prompt_token_ids=[1],
+                               generation_token_ids=[2], generation_log_probs=[-0.1]))
+    snapshot = await store.freeze("9-4")
     async with capture_call("9-4", store) as call:
-        await begin_call()
-    assert call.incomplete and not call.intent_recorded
+        await begin_call()  # a background call that came after the harness finished
+        assert await capture_tokens(served([1, 2, 3], [4])) is None
+    assert call.incomplete and not call.intent_recorded and "after freeze" in call.error
     with pytest.raises(RolloutFrozenError):
         await store.begin_call("9-4", "direct")
+    # The snapshot handed to the consumer is still the one it may retire.
+    assert await store.drop("9-4", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+
+
+async def test_put_after_freeze_of_a_call_with_an_intent_leaves_the_version(store):
+    async with capture_call("9-6", store) as call:
+        await begin_call()
+        snapshot = await store.freeze("9-6")  # the freeze lands while the engine works
+        assert await capture_tokens(served([1], [2])) is None
+    assert call.incomplete and "after freeze" in call.error
+    assert snapshot.incomplete  # the pending intent already masks the rollout
+    again = await store.freeze("9-6")
+    assert (again.snapshot_id, again.version) == (snapshot.snapshot_id, snapshot.version)
 
 
 async def test_sink_without_intents(store):

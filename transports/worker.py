@@ -101,7 +101,9 @@ class RebuildWorker:
         )
         self.durability = Durability.parse(settings.durability)
         self.errors_key = f"{settings.jobs_stream}:errors"  # job id -> last error
-        self.counts = {"done": 0, "published": 0, "retired": 0, "masked": 0, "skipped": 0, "dead": 0, "failed": 0}
+        self.counts = dict.fromkeys(
+            ("done", "published", "retired", "retire_refused", "masked", "skipped", "dead",
+             "failed"), 0)
         self._stop = asyncio.Event()
         self._in_flight: dict[asyncio.Task[None], str] = {}
         self._claim_cursor = "0-0"
@@ -266,6 +268,12 @@ class RebuildWorker:
         if built.ok and not built.masked:
             retired = await retire_rollout_token_capture(rollout_id, self.source, built)
             self.counts["retired"] += int(retired)
+            if not retired:
+                # The rollout changed after its freeze (a late loss was recorded): the result
+                # stands as published, and the store keeps the evidence.
+                self.counts["retire_refused"] += 1
+                log.warning("rollout %s changed after snapshot %s v%s; not retired",
+                            rollout_id, built.snapshot_id, built.version)
         elif built.skipped:
             self.counts["skipped"] += 1  # the record already carried token ids
         else:
