@@ -107,6 +107,9 @@ async def test_replicas_mode_waits_for_a_real_replica(redis_server_factory):
         await store.put(late)
     # Stored on the primary, though unconfirmed; a freeze is a write, so it fails the same way.
     assert (await store.inspect("replicated"))["calls"] == 2
+    # A retry of the unconfirmed put finds its payload stored, and still needs the proof.
+    with pytest.raises(DurabilityError, match="0 of 1 replicas"):
+        await store.put(late)
     with pytest.raises(DurabilityError):
         await store.freeze("replicated")
     await store.close()

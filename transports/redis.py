@@ -283,7 +283,12 @@ class RedisTokenStore:
                 return Plan(again=True)
             seen_epoch = epoch or uuid.uuid4().hex.encode()
             if stored_digest == digest:
-                return Plan()  # the same payload again: already durable, nothing to do
+                # The same payload again. Its first write may have lost its connection before
+                # the durability wait answered, so where a wait proves durability, rewrite one
+                # unchanged field: waiting for that later write covers the earlier one.
+                if self.durability is not None and self.durability.wait:
+                    return Plan(writes=[("HSET", key, k.EPOCH, seen_epoch)])
+                return Plan()
             if stored_digest is not None:
                 mark = k.field(k.MARK, call_id)
                 return Plan(
