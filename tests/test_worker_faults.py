@@ -302,10 +302,12 @@ async def test_a_failing_step_is_retried_by_reclaim_then_dead_lettered(
 
 
 async def test_worker_refuses_an_undurable_server(redis_server_factory, tmp_path: Path) -> None:
-    server = redis_server_factory(appendonly="no")
-    worker = WorkerProcess(server.url, "undurable", tmp_path, "refused")
+    server = redis_server_factory(appendonly="no", requirepass="s3cret-pw")
+    url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+    worker = WorkerProcess(url, "undurable", tmp_path, "refused")
     try:
         assert await asyncio.to_thread(worker.wait, 60) == 1
         assert "AOF is off" in worker.log() and "appendfsync always" in worker.log()
+        assert "s3cret-pw" not in worker.log()  # the message names the server, not the URL
     finally:
         worker.stop()

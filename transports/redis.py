@@ -75,6 +75,14 @@ def _pairs(reply: Any) -> dict[bytes, bytes]:
     return dict(zip(reply[0::2], reply[1::2], strict=True))
 
 
+def server_name(client: aioredis.Redis) -> str:
+    """Where a client connects, for messages: host and port or socket, never credentials."""
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"redis at {kwargs['path']}"
+    return f"redis at {kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
 class RedisTokenStore:
     """Token sink and source on Redis; see the module docstring for how it stays consistent.
 
@@ -144,10 +152,7 @@ class RedisTokenStore:
         """The server, for messages; never the password."""
         if self._client is None:
             return "redis (not connected yet)"
-        kwargs = self._client.connection_pool.connection_kwargs
-        if "path" in kwargs:
-            return f"redis at {kwargs['path']}"
-        return f"redis at {kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        return server_name(self._client)
 
     def _make_client(self) -> aioredis.Redis:
         # Retries are ours (bounded, per operation); the client's own would hide outages.

@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from capture.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
 from transports.durability import Durability, check_durability
 from transports.queue import MalformedJobError, decode_job, stream_names
-from transports.redis import RedisTokenStore
+from transports.redis import RedisTokenStore, server_name
 from transports.results import encode_result, ensure_group
 
 log = logging.getLogger("tokcap.worker")
@@ -118,7 +118,7 @@ class RebuildWorker:
         """Check the server's durability and create the consumer group (idempotent)."""
         self.durability = await check_durability(
             self.client.execute_command, self.durability,
-            where=self.settings.url, wait_timeout_ms=self.settings.wait_timeout_ms,
+            where=server_name(self.client), wait_timeout_ms=self.settings.wait_timeout_ms,
         )
         s = self.settings
         await ensure_group(self.client, s.jobs_stream, s.group)
