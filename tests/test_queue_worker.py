@@ -229,6 +229,8 @@ async def test_unacked_results_are_delivered_again(redis_url: str, redis_prefix:
         for record in taken:
             await reader.ack(record["_ng_result_id"])
         assert await reader.read(block_ms=50) == []
+        # Every result was acknowledged, and acknowledged results leave the stream.
+        assert await reader.client.xlen(results) == 0
     worker.stop()
     await asyncio.wait_for(task, 30)
 

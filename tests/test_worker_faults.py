@@ -134,15 +134,15 @@ async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
                 assert time.monotonic() < deadline, f"only {len(records)} of 200 results"
                 for proc in workers:
                     assert proc.proc.poll() is None, proc.log()[-3000:]
-                batch = await reader.read(count=100)
-                records += batch
-                for record in batch:
-                    await reader.ack(record)
-        seen = Counter(record["_ng_rollout_id"] for record in records)
-        assert set(seen) == set(rollout_ids) and max(seen.values()) == 1
-        assert await client.xlen(results) == 200
-        by_worker = Counter(f[b"worker"] for _, f in await client.xrange(results))
-        assert set(by_worker) <= {b"w0", b"w1", b"w2"} and len(by_worker) >= 2, by_worker
+                records += await reader.read(count=100)
+            seen = Counter(record["_ng_rollout_id"] for record in records)
+            assert set(seen) == set(rollout_ids) and max(seen.values()) == 1
+            assert await client.xlen(results) == 200
+            by_worker = Counter(f[b"worker"] for _, f in await client.xrange(results))
+            assert set(by_worker) <= {b"w0", b"w1", b"w2"} and len(by_worker) >= 2, by_worker
+            for record in records:
+                await reader.ack(record)
+            assert await client.xlen(results) == 0  # acknowledged results leave the stream
         for record in records[::20]:
             assert_rebuilt(record, turns=2)
 

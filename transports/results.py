@@ -109,7 +109,9 @@ class ResultsReader:
 
     It first re-reads this consumer's own unacknowledged records (a restarted trainer with the
     same consumer name gets them back), then new ones; with ``claim_idle_ms`` it also takes
-    over records another consumer left unacknowledged for that long.
+    over records another consumer left unacknowledged for that long. An acknowledged record is
+    deleted from the stream (each holds a whole final context), unless ``delete_acked`` is
+    False because other consumer groups read the same stream.
     """
 
     def __init__(
@@ -123,9 +125,11 @@ class ResultsReader:
         block_ms: int = 1000,
         count: int = 16,
         claim_idle_ms: int | None = 60_000,
+        delete_acked: bool = True,
     ) -> None:
         if (url is None) == (client is None):
             raise ValueError("ResultsReader needs exactly one of url= or client=")
+        self.delete_acked = delete_acked
         self._owns_client = client is None
         self.client = client if client is not None else aioredis.Redis.from_url(url)
         self.stream = stream
@@ -192,7 +196,13 @@ class ResultsReader:
             result_id = record_or_id
         result_id = _text(result_id)
         self._outstanding.discard(result_id)
-        return bool(await self.client.xack(self.stream, self.group, result_id))
+        if not self.delete_acked:
+            return bool(await self.client.xack(self.stream, self.group, result_id))
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(self.stream, self.group, result_id)
+            pipe.xdel(self.stream, result_id)
+            acked, _ = await pipe.execute()
+        return bool(acked)
 
     def __aiter__(self) -> ResultsReader:
         return self
