@@ -104,7 +104,7 @@ def _frontend_config(path: Path, upstream: str, capture_block: dict[str, Any]) -
 def _start_backend(kind: str, workdir: Path, workers: int) -> Backend:
     if kind == "redis":
         server = RedisServer(workdir / "redis")
-        server.data_dir.mkdir()
+        server.data_dir.mkdir(exist_ok=True)
         server.start()
         backend = Backend("redis", {"sink": "transports.redis:RedisTokenSink",
                                     "sink_kwargs": {"url": server.url}}, redis=server)

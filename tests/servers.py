@@ -10,6 +10,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -47,18 +48,23 @@ def run_process(
     """Start a child process (``python -m ...`` style args allowed) and stop it by PID."""
     if args and args[0] == "python":
         args = [sys.executable, *args[1:]]
-    proc = subprocess.Popen(
-        args,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        if ready_url:
-            wait_http(ready_url, timeout=timeout, proc=proc)
-        yield proc
-    finally:
-        stop_process(proc)
-        if proc.stderr:
-            proc.stderr.close()
+    # Output goes to a file, never an unread pipe that could fill and block the child.
+    with tempfile.TemporaryFile() as output:
+        proc = subprocess.Popen(
+            args,
+            env={**os.environ, **(env or {})},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            if ready_url:
+                try:
+                    wait_http(ready_url, timeout=timeout, proc=proc)
+                except (RuntimeError, TimeoutError) as exc:
+                    output.seek(0)
+                    tail = output.read()[-3000:].decode(errors="replace")
+                    raise RuntimeError(f"{exc}\n{tail}") from None
+            yield proc
+        finally:
+            stop_process(proc)
