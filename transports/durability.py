@@ -18,6 +18,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from capture.errors import ConfigError, TokenCaptureError
+from transports.redis_keys import as_text
 
 log = logging.getLogger("tokcap.redis")
 
@@ -70,15 +71,12 @@ class Durability:
             )
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
 
 def _info(raw: Any) -> dict[str, str]:
     """INFO as text fields, whether the reply is raw or was parsed into a dict by redis-py."""
     if isinstance(raw, dict):
-        return {_text(name): _text(value) for name, value in raw.items()}
-    lines = _text(raw).splitlines()
+        return {as_text(name): as_text(value) for name, value in raw.items()}
+    lines = as_text(raw).splitlines()
     return dict(line.split(":", 1) for line in lines if ":" in line and not line.startswith("#"))
 
 
@@ -96,7 +94,7 @@ async def _config(execute: Execute, name: str) -> str | None:
         values = list(reply.values())
     else:
         values = list(reply)[1::2]
-    return _text(values[0]) if values else ""
+    return as_text(values[0]) if values else ""
 
 
 async def check_durability(

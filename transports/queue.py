@@ -18,6 +18,7 @@ import msgpack
 import redis.asyncio as aioredis
 
 from capture.rollout_ids import rollout_id_from_run_body
+from transports.redis_keys import as_text
 
 DEFAULT_JOBS_STREAM = "tokcap:rebuild"
 DEFAULT_RESULTS_STREAM = "tokcap:results"
@@ -52,25 +53,22 @@ def encode_job(record: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
 
 def decode_job(fields: Mapping[Any, Any]) -> tuple[str, dict[str, Any]]:
     """(rollout id, record) of one stream entry, or MalformedJobError saying what is wrong."""
-    fields = {_text(key): value for key, value in fields.items()}
+    fields = {as_text(key): value for key, value in fields.items()}
     if "record" not in fields:
         raise MalformedJobError(
             f"job has no 'record' field (fields: {sorted(fields) or 'none'}); "
             "submit jobs with RebuildQueue.submit or `tokcap submit`"
         )
-    version = _text(fields.get("v", JOB_FORMAT_VERSION))
+    version = as_text(fields.get("v", JOB_FORMAT_VERSION))
     if version != str(JOB_FORMAT_VERSION):
         raise MalformedJobError(
             f"job format v{version} is not understood by this worker (it reads "
             f"v{JOB_FORMAT_VERSION}); upgrade tokcap"
         )
-    fmt = _text(fields.get("format", "msgpack"))
+    fmt = as_text(fields.get("format", "msgpack"))
     payload = fields["record"]
     try:
         if fmt == "msgpack":
@@ -114,7 +112,7 @@ class RebuildQueue:
     async def submit(self, record: Mapping[str, Any]) -> str:
         """Queue one record; returns the job id (the stream entry id)."""
         job_id = await self.client.xadd(self.stream, encode_job(record))
-        return _text(job_id)
+        return as_text(job_id)
 
     async def pending(self) -> int:
         """Jobs in the stream that no worker has finished yet."""

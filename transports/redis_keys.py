@@ -9,6 +9,7 @@ block carries a one-letter kind prefix, so a field name alone says what it holds
 from __future__ import annotations
 
 import re
+from typing import Any
 
 # State fields: these survive a drop and form the tombstone.
 VERSION = "version"
@@ -63,3 +64,8 @@ def split_field(name: bytes) -> tuple[str, str]:
     if len(text) > 1 and text[1] == ":":
         return text[:2], text[2:]
     return "", text
+
+
+def as_text(value: Any) -> str:
+    """A reply or stream field as text (redis-py hands back bytes unless told to decode)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

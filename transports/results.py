@@ -22,13 +22,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from transports.queue import DEFAULT_RESULTS_STREAM
+from transports.redis_keys import as_text
 
 RESULT_ID_KEY = "_ng_result_id"
 _PREFIX_MARK = "_tokcap_prompt_prefix"
 
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _output_items(record: Mapping[str, Any]) -> list[Any] | None:
@@ -88,10 +86,10 @@ def encode_result(record: dict[str, Any], **meta: Any) -> dict[str, Any]:
 
 def decode_result(result_id: Any, fields: Mapping[Any, Any]) -> dict[str, Any]:
     """The rebuilt record of one stream entry, with its stream id under ``_ng_result_id``."""
-    fields = {_text(key): value for key, value in fields.items()}
+    fields = {as_text(key): value for key, value in fields.items()}
     record = msgpack.unpackb(fields["record"], raw=False, strict_map_key=False)
     record = expand_record(record)
-    record[RESULT_ID_KEY] = _text(result_id)
+    record[RESULT_ID_KEY] = as_text(result_id)
     return record
 
 
@@ -153,7 +151,7 @@ class ResultsReader:
         if self._pending_cursor is not None:
             entries = await self._read_group(self._pending_cursor, count, None)
             if entries:
-                self._pending_cursor = _text(entries[-1][0])
+                self._pending_cursor = as_text(entries[-1][0])
                 return self._hand_out(entries)
             self._pending_cursor = None
         if self.claim_idle_ms is not None:
@@ -161,7 +159,7 @@ class ResultsReader:
                 self.stream, self.group, self.consumer, self.claim_idle_ms,
                 start_id=self._claim_cursor, count=count,
             )
-            self._claim_cursor = _text(claimed[0])
+            self._claim_cursor = as_text(claimed[0])
             records = self._hand_out(claimed[1])
             if records:
                 return records
@@ -173,7 +171,7 @@ class ResultsReader:
         # only re-claimed because the trainer is slow to ack, so it is not handed out twice.
         records = []
         for entry_id, fields in entries:
-            entry_id = _text(entry_id)
+            entry_id = as_text(entry_id)
             if fields is None or entry_id in self._outstanding:
                 continue
             self._outstanding.add(entry_id)
@@ -194,7 +192,7 @@ class ResultsReader:
                 raise ValueError(f"record has no {RESULT_ID_KEY}; was it read by a ResultsReader?")
         else:
             result_id = record_or_id
-        result_id = _text(result_id)
+        result_id = as_text(result_id)
         self._outstanding.discard(result_id)
         if not self.delete_acked:
             return bool(await self.client.xack(self.stream, self.group, result_id))

@@ -34,6 +34,7 @@ from capture.delivery import finalize_rollout_token_capture, retire_rollout_toke
 from transports.durability import Durability, check_durability
 from transports.queue import MalformedJobError, decode_job, stream_names
 from transports.redis import RedisTokenStore, server_name
+from transports.redis_keys import as_text
 from transports.results import encode_result, ensure_group
 
 log = logging.getLogger("tokcap.worker")
@@ -85,9 +86,6 @@ class WorkerSettings:
         if self.concurrency < 1 or self.max_attempts < 1 or self.claim_idle_ms < 1:
             raise ValueError("concurrency, max_attempts and claim_idle_ms must be >= 1")
 
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 class RebuildWorker:
@@ -180,7 +178,7 @@ class RebuildWorker:
             s.group, s.consumer, {s.jobs_stream: ">"}, count=count, block=s.block_ms
         )
         entries = reply[0][1] if reply else []
-        return [(_text(job_id), fields, 1) for job_id, fields in entries]
+        return [(as_text(job_id), fields, 1) for job_id, fields in entries]
 
     async def _claim_stale(self, count: int) -> list[tuple[str, Any, int]]:
         """Take over jobs another consumer left pending for ``claim_idle_ms``."""
@@ -189,12 +187,12 @@ class RebuildWorker:
             s.jobs_stream, s.group, s.consumer, s.claim_idle_ms,
             start_id=self._claim_cursor, count=count,
         )
-        self._claim_cursor = _text(reply[0])  # the next round goes on where this one ended
+        self._claim_cursor = as_text(reply[0])  # the next round goes on where this one ended
         # A job still in flight here was only idle because a long build held the event loop;
         # running it twice would be safe (publish once, drop idempotent) but wasteful.
         mine = set(self._in_flight.values())
-        claimed = [(_text(job_id), fields) for job_id, fields in reply[1]
-                   if _text(job_id) not in mine]
+        claimed = [(as_text(job_id), fields) for job_id, fields in reply[1]
+                   if as_text(job_id) not in mine]
         if not claimed:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
@@ -232,7 +230,7 @@ class RebuildWorker:
                 return  # deleted from the stream while pending; XAUTOCLAIM already dropped it
             if deliveries > s.max_attempts:
                 last = await self.client.hget(self.errors_key, job_id)
-                error = _text(last) if last else "no error recorded: the worker holding it stopped"
+                error = as_text(last) if last else "no error recorded: the worker holding it stopped"
                 await self._dead_letter(job_id, fields, f"gave up after {deliveries - 1} attempts; "
                                         f"last error: {error}", deliveries)
                 return
@@ -318,7 +316,7 @@ class RebuildWorker:
             replies = await pipe.execute()
         self.durability.verify(replies[1:])
         fresh, result_id = replies[0]
-        return _text(result_id), bool(fresh)
+        return as_text(result_id), bool(fresh)
 
     async def _finish(self, job_id: str) -> None:
         """Ack and delete the job, and forget its errors, in one transaction."""
@@ -333,7 +331,7 @@ class RebuildWorker:
         s = self.settings
         self.counts["dead"] += 1
         log.error("job %s goes to %s: %s", job_id, s.dead_stream, error)
-        dead = {_text(key): value for key, value in (fields or {}).items()}
+        dead = {as_text(key): value for key, value in (fields or {}).items()}
         dead.update(job_id=job_id, error=error, attempts=str(deliveries),
                     consumer=s.consumer, failed_at=str(time.time()))
         async with self.client.pipeline(transaction=True) as pipe:
