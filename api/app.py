@@ -30,7 +30,7 @@ from api.routing import ASGIApp, CapturePrefixRouter, Receive, Scope, Send
 from api.settings import ServerSettings, settings_from_environment
 from api.upstream import UpstreamClient, UpstreamError
 from capture.context import begin_call, current_call, void_call
-from capture.registry import install_token_sink
+from capture.registry import install_token_sink, installed_token_sink
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -207,7 +207,11 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The configured sink, else one the embedding process installed (install_token_sink).
         sink = settings.build_sink()
+        owned = sink is not None
+        if sink is None:
+            sink = installed_token_sink()
         start = getattr(sink, "start", None)
         if callable(start):
             # A sink that proves itself (Redis durability) fails this worker now, not a call.
@@ -221,12 +225,12 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             sampling_overrides=settings.sampling_overrides,
             timeout_s=settings.upstream_timeout_s,
         )
-        previous = install_token_sink(sink) if sink is not None else None
+        previous = install_token_sink(sink) if owned else None
         try:
             yield
         finally:
             await app.state.upstream.close()
-            if sink is not None:
+            if owned:
                 install_token_sink(previous)
                 await sink.close()
 

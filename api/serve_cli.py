@@ -7,6 +7,7 @@ each worker process builds its own app, sink and upstream client from the same c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 
@@ -37,14 +38,20 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TOKCAP_UPSTREAM"] = args.upstream
     try:
         settings = settings_from_environment()  # fail here, once, on a bad config
-        if settings.capture.enabled and settings.capture.sink:
-            settings.capture.sink_class()  # a sink path that does not import fails now too
+        # Build the sink once (path, kwargs, structural checks); each worker builds its own.
+        sink = settings.build_sink()
     except ConfigError as exc:
         print(f"tokcap serve: {exc}", file=sys.stderr)
         return 2
+    if sink is not None:
+        asyncio.run(sink.close())
+    capture = "off"
+    if settings.capture.enabled:
+        capture = "on" if sink is not None else (
+            "on, but no dir or sink is configured: tagged calls are served, not captured")
     print(
         f"tokcap serve: http://{args.host}:{args.port} -> upstream {settings.upstream} "
-        f"(capture {'on' if settings.capture.enabled else 'off'}, {args.workers} worker(s))",
+        f"(capture {capture}, {args.workers} worker(s))",
         file=sys.stderr,
     )
     uvicorn.run(

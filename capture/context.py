@@ -68,7 +68,11 @@ async def capture_call(
 
 
 async def begin_call() -> None:
-    """Record a durable intent before dispatch, where the sink supports intents."""
+    """Record a durable intent, where the sink supports intents.
+
+    The front end writes it while the engine works and awaits it before capture and before
+    any reply, so every reply that reaches a harness is covered by an intent or an entry.
+    """
     call = current_call()
     if call is None:
         return

@@ -12,12 +12,22 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from api.settings import ServerSettings
+from capture.config import TokenIdCaptureConfig
 from capture.errors import ConfigError
+from capture.registry import install_token_sink
+from capture.store import TokenCaptureStore
 from tests.servers import free_port, run_process
-from tests.test_frontend_support import assert_entries_equal_ground_truth, engine_server, freeze
+from tests.test_frontend_support import (
+    assert_entries_equal_ground_truth,
+    engine_server,
+    freeze,
+    front_end,
+    inspect,
+)
 
 CONFIG = """
 model_server:
@@ -86,3 +96,34 @@ def test_tokcap_serve_refuses_a_bad_config_before_starting(tmp_path: Path) -> No
     )
     assert proc.returncode == 2
     assert "nosuchmodule" in proc.stderr
+
+
+def test_tokcap_serve_refuses_sink_kwargs_the_sink_rejects(tmp_path: Path) -> None:
+    config = tmp_path / "bad-kwargs.yaml"
+    config.write_text(
+        "token_id_capture:\n  enabled: true\n  sink: transports.redis:RedisTokenSink\n"
+        "  sink_kwargs: {url: 'redis://127.0.0.1:1/0', bogus_option: 1}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "api.cli", "serve", "--config", str(config), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "bogus_option" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_embedding_process_can_install_the_sink(tmp_path: Path) -> None:
+    """No store in the config: the front end captures into the process's installed sink."""
+    sink = TokenCaptureStore(tmp_path / "installed")
+    previous = install_token_sink(sink)
+    try:
+        with engine_server() as engine_url:
+            settings = ServerSettings(upstream=engine_url,
+                                      capture=TokenIdCaptureConfig(enabled=True, rebuild_response=False))
+            with front_end(settings) as front_url:
+                client = openai.OpenAI(base_url=f"{front_url}/ng-rollout/installed-1/training-token-capture/v1",
+                                       api_key="dummy", max_retries=0)
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        install_token_sink(previous)
+    assert inspect(tmp_path / "installed", "installed-1")["calls"] == 1
