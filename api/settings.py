@@ -34,7 +34,7 @@ class ModelServerBlock(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    upstream: str = "http://127.0.0.1:8000"
+    upstream: str = "http://127.0.0.1:8001"  # tokcap engine's default port
     model: str | None = None
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
@@ -45,7 +45,7 @@ class ModelServerBlock(BaseModel):
 class ServerSettings:
     """Everything ``create_app`` needs; ``sink_factory`` wins over the capture config."""
 
-    upstream: str = "http://127.0.0.1:8000"
+    upstream: str = "http://127.0.0.1:8001"  # tokcap engine's default port
     # Model name sent upstream; None asks the upstream's /v1/models once.
     model: str | None = None
     sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
