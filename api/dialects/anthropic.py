@@ -18,6 +18,7 @@ from api.dialects.common import (
     RequestError,
     arguments_object,
     assistant_message,
+    chat_request,
     joined_text,
     new_id,
     number,
@@ -185,19 +186,8 @@ def _tool_choice(choice: Any) -> Any:
 
 def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """One chat-completions request for a Messages request."""
-    request: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages(body)}
-    tools = chat_tools(body.get("tools"))
-    if tools:
-        request["tools"] = tools
-        choice = _tool_choice(body.get("tool_choice"))
-        if choice is not None:
-            request["tool_choice"] = choice
-    max_tokens = number(body, "max_tokens", int)
-    if max_tokens is not None:
-        request["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p"):
-        if number(body, key) is not None:
-            request[key] = body[key]
+    request = chat_request(body, chat_messages(body), chat_tools(body.get("tools")),
+                           _tool_choice(body.get("tool_choice")), "max_tokens")
     top_k = number(body, "top_k", int)
     if top_k is not None:
         request["top_k"] = top_k

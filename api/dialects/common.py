@@ -109,3 +109,26 @@ def tool_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
         "type": "function",
         "function": {"name": str(name or ""), "arguments": arguments_text(arguments)},
     }
+
+
+def chat_request(
+    body: Mapping[str, Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    max_tokens_key: str,
+) -> dict[str, Any]:
+    """The chat-completions request every dialect builds: messages, tools, the length limit
+    under the dialect's own name, and the sampling keys a harness may send."""
+    request: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    if tools:
+        request["tools"] = tools
+        if tool_choice is not None:
+            request["tool_choice"] = tool_choice
+    max_tokens = number(body, max_tokens_key, int)
+    if max_tokens is not None:
+        request["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p"):
+        if number(body, key) is not None:
+            request[key] = body[key]
+    return request

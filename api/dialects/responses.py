@@ -18,9 +18,9 @@ from api.capture_step import CapturedCall
 from api.dialects.common import (
     RequestError,
     assistant_message,
+    chat_request,
     joined_text,
     new_id,
-    number,
     require_list,
     require_mapping,
     require_text,
@@ -142,20 +142,8 @@ def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
             "previous_response_id is not supported: this server keeps no responses; "
             "send the whole conversation as input"
         )
-    request: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages(body)}
-    tools = _tools(body.get("tools"))
-    if tools:
-        request["tools"] = tools
-        choice = _tool_choice(body.get("tool_choice"))
-        if choice is not None:
-            request["tool_choice"] = choice
-    max_tokens = number(body, "max_output_tokens", int)
-    if max_tokens is not None:
-        request["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p"):
-        if number(body, key) is not None:
-            request[key] = body[key]
-    return request
+    return chat_request(body, chat_messages(body), _tools(body.get("tools")),
+                        _tool_choice(body.get("tool_choice")), "max_output_tokens")
 
 
 def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
