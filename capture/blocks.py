@@ -120,6 +120,17 @@ def parent_of(stored: bytes) -> str:
     return stored[1:_HEAD].hex()
 
 
+def cached_parent(name: str, blocks: Mapping[str, bytes], cache: dict[Any, Any]) -> str:
+    """A stored block's parent name, read once per snapshot (``cache``)."""
+    parent = cache.get(("parent", name))
+    if parent is None:
+        stored = blocks.get(name)
+        if stored is None:
+            raise ValueError(f"prompt block {name} of a stored entry is missing")
+        parent = cache["parent", name] = parent_of(stored)
+    return parent
+
+
 def chain_names(
     tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any] | None = None
 ) -> list[str]:
@@ -130,13 +141,7 @@ def chain_names(
     name = tip
     while len(names) < count:
         names.append(name)
-        parent = cache.get(("parent", name))
-        if parent is None:
-            stored = blocks.get(name)
-            if stored is None:
-                raise ValueError(f"prompt block {name} of a stored entry is missing")
-            parent = cache["parent", name] = parent_of(stored)
-        name = parent
+        name = cached_parent(name, blocks, cache)
     if count and name != ROOT_NAME:
         raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
     return names[::-1]

@@ -31,9 +31,9 @@ from capture.blocks import (
     Block,
     Writes,
     block_ids,
+    cached_parent,
     chain_names,
     cut,
-    parent_of,
     plan_writes,
     whole_block,
 )
@@ -285,13 +285,7 @@ def _assemble(tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any
             start, previous = assembled[:length], name
             break
         names.append(name)
-        parent = cache.get(("parent", name))
-        if parent is None:
-            stored = blocks.get(name)
-            if stored is None:
-                raise ValueError(f"prompt block {name} of a stored entry is missing")
-            parent = cache["parent", name] = parent_of(stored)
-        name = parent
+        name = cached_parent(name, blocks, cache)
     else:
         if count and name != ROOT_NAME:
             raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
