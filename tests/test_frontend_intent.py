@@ -116,4 +116,9 @@ def test_a_freeze_while_the_engine_works_is_an_incomplete_snapshot(tmp_path: Pat
     assert snapshot.incomplete is True and snapshot.entries == ()
     assert message.content and message.stop_reason  # the harness is answered all the same
     after = inspect(tmp_path, rollout_id)
-    assert after["state"] == "frozen" and after["calls"] == 0 and after["incomplete"] is True
+    # The late put is refused; the pending intent is the record of the loss, so the snapshot
+    # the consumer holds stays the current one, and stays incomplete.
+    assert after["state"] == "frozen" and after["calls"] == 0 and after["pending_intents"] == 1
+    again = freeze(tmp_path, rollout_id)
+    assert (again.snapshot_id, again.version) == (snapshot.snapshot_id, snapshot.version)
+    assert again.incomplete is True
