@@ -187,16 +187,28 @@ def test_rediss_url_is_accepted_for_tls():
 
 
 async def test_tombstone_expires_after_its_ttl(redis_url, redis_prefix, raw):
-    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, tombstone_ttl_s=30)
+    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, tombstone_ttl_s=30,
+                           evidence_ttl_s=3600)
     await made.put(make_token_entry("ttl", "c-1"))
-    snapshot = await made.freeze("ttl")
     key = rollout_key(redis_prefix, "ttl")
-    assert raw.pttl(key) == -1  # an open or frozen rollout never expires
+    assert raw.pttl(key) == -1  # an open rollout never expires
+    snapshot = await made.freeze("ttl")
+    assert 30_000 < raw.pttl(key) <= 3_600_000  # frozen, not yet retired: kept as evidence
     assert await made.drop("ttl", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
     assert 0 < raw.pttl(key) <= 30_000
     assert {name.decode() for name in raw.hkeys(key)} == {
         "version", "frozen", "snapshot_id", "incomplete", "retired", "retired_at"
     }
+    await made.close()
+
+
+async def test_frozen_rollouts_can_be_kept_until_deleted(redis_url, redis_prefix, raw):
+    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, evidence_ttl_s=None)
+    await made.put(make_token_entry("kept", "c-1"))
+    await made.freeze("kept")
+    assert raw.pttl(rollout_key(redis_prefix, "kept")) == -1
+    await made.delete("kept")
+    assert not raw.exists(rollout_key(redis_prefix, "kept"))
     await made.close()
 
 

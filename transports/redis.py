@@ -88,7 +88,9 @@ class RedisTokenStore:
 
     Keyword arguments only: ``url`` (``redis://``, ``rediss://`` for TLS, password in the URL)
     or ``client`` (an existing ``redis.asyncio.Redis``, left open on close); ``key_prefix``;
-    ``durability`` ("fsync", "replicas:N" or "none"); ``tombstone_ttl_s``; socket, connect
+    ``durability`` ("fsync", "replicas:N" or "none"); ``tombstone_ttl_s``; ``evidence_ttl_s``
+    (how long a frozen rollout that is never retired, such as a masked one, is kept; None
+    keeps it until ``delete``); socket, connect
     and durability-wait timeouts; ``max_retries`` on connection errors; ``block_size`` (writers
     of one rollout share blocks only when they use the same; the payload digest does not
     depend on it). Nothing
@@ -103,6 +105,7 @@ class RedisTokenStore:
         key_prefix: str = "tokcap",
         durability: str = "fsync",
         tombstone_ttl_s: float = 7 * 24 * 3600,
+        evidence_ttl_s: float | None = 30 * 24 * 3600,
         socket_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
         wait_timeout_ms: int = 1000,
@@ -123,6 +126,8 @@ class RedisTokenStore:
             )
         if tombstone_ttl_s <= 0:
             raise ConfigError("tombstone_ttl_s must be > 0")
+        if evidence_ttl_s is not None and evidence_ttl_s <= 0:
+            raise ConfigError("evidence_ttl_s must be > 0, or None to keep frozen rollouts")
         if not key_prefix or "{" in key_prefix or "}" in key_prefix:
             raise ConfigError("key_prefix must be non-empty and contain no braces")
         self._url = url
@@ -132,6 +137,7 @@ class RedisTokenStore:
         self._chosen = Durability.parse(durability)
         self.durability: Durability | None = None  # set once proven against the server
         self.tombstone_ttl_s = tombstone_ttl_s
+        self.evidence_ttl_s = evidence_ttl_s
         self._socket_timeout_s = socket_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._wait_timeout_ms = wait_timeout_ms
@@ -383,6 +389,10 @@ class RedisTokenStore:
             snapshot_id = (state[k.SNAPSHOT_ID] or uuid.uuid4().hex.encode())
             version = _int(state[k.VERSION]) + 1
             writes = [("HSET", key, k.FROZEN, 1, k.SNAPSHOT_ID, snapshot_id, k.VERSION, version)]
+            if self.evidence_ttl_s is not None:
+                # Retiring replaces this with the tombstone's TTL; a rollout never retired
+                # (a masked one, kept as evidence) still leaves memory in the end.
+                writes.append(("PEXPIRE", key, max(1, int(self.evidence_ttl_s * 1000))))
             return Plan(writes=writes, result=(fields, version, snapshot_id))
 
         fields, version, snapshot_id = await self._transact(
