@@ -206,7 +206,7 @@ async def test_sigterm_finishes_jobs_in_flight_then_exits(
     jobs, results, _ = stream_names(redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
     worker = WorkerProcess(redis_url, redis_prefix, tmp_path, "term", "--concurrency", "4",
-                           "--debug-delay-after-publish-ms", "1500")
+                           "--debug-delay-after-publish-ms", "4000")
     try:
         async with RebuildQueue(url=redis_url, stream=jobs) as queue:
             for rollout_id in rollout_ids:
