@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -40,11 +39,14 @@ from capture.builder import run_builder  # noqa: E402
 from capture.codec import encode_entry  # noqa: E402
 from capture.records import TokenEntry  # noqa: E402
 from capture.store import TokenCaptureStore  # noqa: E402
+from tests.rollouts import growing_rollout  # noqa: E402
 
 SYSTEM_TOKENS = 2_000
 GENERATED_PER_TURN = 200
 TOOL_PER_TURN = 300
 VOCAB = 151_000
+FINAL_ANSWER = {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "All tests pass.", "annotations": []}]}
 TARGETS = {"put_p50_ms": 2.0, "bytes_ratio": 1.5, "rebuild_ms": {50: 50.0, 200: 200.0}}
 
 
@@ -73,34 +75,10 @@ STORE_KINDS: dict[str, StoreKind] = {
 
 def synthetic_rollout(rollout_id: str, turns: int, seed: int = 0) -> list[TokenEntry]:
     """The agent loop described in the module docstring, as the server would capture it."""
-    rng = random.Random(seed)
-    context = [rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)]
-    entries = []
-    for turn in range(turns):
-        generation = [rng.randrange(VOCAB) for _ in range(GENERATED_PER_TURN)]
-        last = turn == turns - 1
-        item = (
-            {"type": "message", "role": "assistant",
-             "content": [{"type": "output_text", "text": "All tests pass.", "annotations": []}]}
-            if last
-            else {"type": "function_call", "call_id": f"toolu_{turn}", "name": "Bash",
-                  "arguments": '{"command": "pytest -q"}'}
-        )
-        entries.append(
-            TokenEntry(
-                rollout_id=rollout_id,
-                model_call_id=f"call-{turn:05d}",
-                model="policy",
-                prompt_token_ids=list(context),
-                generation_token_ids=generation,
-                generation_log_probs=[-5.0 * rng.random() for _ in generation],
-                output_items=[item],
-                token_item_index=0,
-                created_at=1_700_000_000.0 + turn,
-            )
-        )
-        context += generation + [rng.randrange(VOCAB) for _ in range(TOOL_PER_TURN)]
-    return entries
+    return growing_rollout(
+        rollout_id, turns, system_tokens=SYSTEM_TOKENS, generated_per_turn=GENERATED_PER_TURN,
+        tool_tokens_per_turn=TOOL_PER_TURN, vocab=VOCAB, seed=seed, final_item=FINAL_ANSWER,
+    )
 
 
 def raw_final_context_bytes(entries: list[TokenEntry]) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import sys
 import tempfile
 import time
@@ -29,32 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from api.processes import Service  # noqa: E402
 from api.redis_server import RedisServer  # noqa: E402
 from capture.records import TokenEntry  # noqa: E402
+from tests.rollouts import growing_rollout  # noqa: E402
 from transports.queue import RebuildQueue, stream_names  # noqa: E402
 from transports.redis import RedisTokenStore  # noqa: E402
 from transports.results import decode_result, ensure_group  # noqa: E402
 
-VOCAB = 151_000
-
 
 def rollout_entries(rollout_id: str, args: argparse.Namespace) -> list[TokenEntry]:
-    rng = random.Random(rollout_id)
-    prompt = [rng.randrange(1, VOCAB) for _ in range(args.system)]
-    entries = []
-    for turn in range(args.turns):
-        generation = [rng.randrange(1, VOCAB) for _ in range(args.gen)]
-        last = turn == args.turns - 1
-        item = ({"type": "message", "role": "assistant",
-                 "content": [{"type": "output_text", "text": f"done {rollout_id}"}]}
-                if last else {"type": "function_call", "call_id": f"c{turn}", "name": "bash",
-                              "arguments": f'{{"command": "step {turn}"}}'})
-        entries.append(TokenEntry(
-            rollout_id=rollout_id, model_call_id=f"mc-{turn:05d}", model="policy",
-            prompt_token_ids=list(prompt), generation_token_ids=generation,
-            generation_log_probs=[-rng.random() for _ in generation], output_items=[item],
-            token_item_index=0, created_at=1_000.0 + turn,
-        ))
-        prompt = prompt + generation + [rng.randrange(1, VOCAB) for _ in range(args.tool)]
-    return entries
+    final = {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": f"done {rollout_id}"}]}
+    return growing_rollout(rollout_id, args.turns, system_tokens=args.system,
+                           generated_per_turn=args.gen, tool_tokens_per_turn=args.tool,
+                           final_item=final)
 
 
 async def populate(url: str, prefix: str, rollout_ids: list[str], args) -> None:

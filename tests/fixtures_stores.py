@@ -8,7 +8,6 @@ other fixtures, such as a private redis-server) and a fresh ``tmp_path``.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -90,41 +89,3 @@ def make_token_entry(
 def make_entry() -> Callable[..., TokenEntry]:
     """Factory of valid entries: ``make_entry(rollout_id, model_call_id, prompt=..., ...)``."""
     return make_token_entry
-
-
-def growing_rollout(
-    rollout_id: str,
-    turns: int,
-    *,
-    system_tokens: int = 2000,
-    generated_per_turn: int = 200,
-    tool_tokens_per_turn: int = 300,
-    vocab: int = 151_000,
-    seed: int = 0,
-) -> list[TokenEntry]:
-    """An agent-like rollout: each call's prompt extends the previous prompt + generation.
-
-    Deterministic for a given seed, so a child process and the test can build the same one.
-    """
-    rng = random.Random(f"{seed}-{rollout_id}")
-    context = [rng.randrange(vocab) for _ in range(system_tokens)]
-    entries = []
-    for turn in range(turns):
-        generation = [rng.randrange(vocab) for _ in range(generated_per_turn)]
-        log_probs = [-rng.random() * 5 for _ in range(generated_per_turn)]
-        entries.append(
-            TokenEntry(
-                rollout_id=rollout_id,
-                model_call_id=f"turn-{turn:05d}",
-                model="test-policy",
-                prompt_token_ids=list(context),
-                generation_token_ids=generation,
-                generation_log_probs=log_probs,
-                output_items=[{"type": "function_call", "name": "bash", "call_id": f"t{turn}",
-                               "arguments": "{}"}],
-                token_item_index=0,
-                created_at=1_700_000_000.0 + turn,
-            )
-        )
-        context += generation + [rng.randrange(vocab) for _ in range(tool_tokens_per_turn)]
-    return entries

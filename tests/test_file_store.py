@@ -19,7 +19,8 @@ from capture.errors import InvalidRolloutIdError, RolloutFrozenError, TokenCaptu
 from capture.filelog import frame, parse
 from capture.records import TokenEntry
 from capture.store import TokenCaptureStore
-from tests.fixtures_stores import growing_rollout, make_token_entry
+from tests.fixtures_stores import make_token_entry
+from tests.rollouts import growing_rollout
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_PREFIX = list(range(5000, 5700))  # spans blocks, so writers race to store the same ones
@@ -41,7 +42,7 @@ def shared_entry(writer: int, index: int) -> TokenEntry:
 WRITER = """
 import asyncio, sys
 from capture.store import TokenCaptureStore
-from tests.fixtures_stores import growing_rollout
+from tests.rollouts import growing_rollout
 from tests.test_file_store import shared_entry
 
 async def main(directory, writer, count):
@@ -60,7 +61,7 @@ CRASHING_WRITER = f"""
 import asyncio, os, sys
 CRASH_TURNS = {CRASH_TURNS}
 from capture.store import TokenCaptureStore
-from tests.fixtures_stores import growing_rollout
+from tests.rollouts import growing_rollout
 
 async def main(directory, acks_path):
     store = TokenCaptureStore(directory)

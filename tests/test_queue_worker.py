@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import subprocess
 import sys
 from typing import Any
@@ -19,12 +18,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from capture.records import TokenEntry
+from tests.rollouts import growing_rollout
 from transports.queue import MalformedJobError, RebuildQueue, decode_job, encode_job, stream_names
 from transports.redis import RedisTokenStore
 from transports.results import ResultsReader, compact_record, expand_record
 from transports.worker import RebuildWorker, WorkerSettings
-
-VOCAB = 151_000
 
 
 def final_message(rollout_id: str) -> dict[str, Any]:
@@ -37,24 +35,9 @@ def final_message(rollout_id: str) -> dict[str, Any]:
 def rollout_entries(
     rollout_id: str, turns: int, *, system: int = 40, gen: int = 6, tool: int = 10
 ) -> list[TokenEntry]:
-    """A tool-using rollout: every call's prompt extends the previous call's full sequence."""
-    rng = random.Random(rollout_id)
-    prompt = [rng.randrange(1, VOCAB) for _ in range(system)]
-    entries = []
-    for turn in range(turns):
-        generation = [rng.randrange(1, VOCAB) for _ in range(gen)]
-        item = final_message(rollout_id) if turn == turns - 1 else {
-            "type": "function_call", "call_id": f"call_{turn}", "name": "bash",
-            "arguments": json.dumps({"command": f"ls step{turn}"}), "status": "completed",
-        }
-        entries.append(TokenEntry(
-            rollout_id=rollout_id, model_call_id=f"mc-{turn:04d}", model="policy",
-            prompt_token_ids=list(prompt), generation_token_ids=generation,
-            generation_log_probs=[-rng.random() for _ in generation],
-            output_items=[item], token_item_index=0, created_at=1_000.0 + turn,
-        ))
-        prompt = prompt + generation + [rng.randrange(1, VOCAB) for _ in range(tool)]
-    return entries
+    """A tool-using rollout whose last call gave the harness's final answer."""
+    return growing_rollout(rollout_id, turns, system_tokens=system, generated_per_turn=gen,
+                           tool_tokens_per_turn=tool, final_item=final_message(rollout_id))
 
 
 def finished_record(rollout_id: str) -> dict[str, Any]:

@@ -16,7 +16,8 @@ import textwrap
 import pytest
 
 from capture.errors import RolloutFrozenError
-from tests.fixtures_stores import growing_rollout, make_token_entry
+from tests.fixtures_stores import make_token_entry
+from tests.rollouts import growing_rollout
 from tests.servers import free_port
 from transports.redis import RedisTokenStore, RedisUnavailableError
 

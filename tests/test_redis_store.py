@@ -244,7 +244,7 @@ def test_config_loader_rejects_unknown_sink_kwargs(redis_url):
 
 
 def _rollout(rollout_id: str, turns: int) -> list:
-    from tests.fixtures_stores import growing_rollout
+    from tests.rollouts import growing_rollout
 
     return growing_rollout(rollout_id, turns, system_tokens=600, generated_per_turn=50,
                            tool_tokens_per_turn=80)
