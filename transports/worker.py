@@ -31,9 +31,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capture.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
-from transports.durability import Durability, check_durability
+from transports.durability import Durability
 from transports.queue import MalformedJobError, decode_job, stream_names
-from transports.redis import RedisTokenStore, server_name
+from transports.redis import RedisTokenStore
 from transports.redis_keys import as_text
 from transports.results import encode_result, ensure_group
 
@@ -95,8 +95,10 @@ class RebuildWorker:
         self.settings = settings
         self.client = aioredis.Redis.from_url(settings.url)
         self.source = RedisTokenStore(
-            url=settings.url, key_prefix=settings.key_prefix, durability=settings.durability
+            url=settings.url, key_prefix=settings.key_prefix, durability=settings.durability,
+            wait_timeout_ms=settings.wait_timeout_ms,
         )
+        # Proven once, by the store, at start; the worker's publish waits the same way.
         self.durability = Durability.parse(settings.durability)
         self.errors_key = f"{settings.jobs_stream}:errors"  # job id -> last error
         self.counts = dict.fromkeys(
@@ -114,10 +116,7 @@ class RebuildWorker:
 
     async def start(self) -> None:
         """Check the server's durability and create the consumer group (idempotent)."""
-        self.durability = await check_durability(
-            self.client.execute_command, self.durability,
-            where=server_name(self.client), wait_timeout_ms=self.settings.wait_timeout_ms,
-        )
+        self.durability = await self.source.check()
         s = self.settings
         await ensure_group(self.client, s.jobs_stream, s.group)
         # Visible in XINFO CONSUMERS from the start, not only after its first job.
