@@ -111,9 +111,14 @@ class BodyLimit:
                 break
         if too_large:
             body = _plain_error(
-                413, "request_too_large", f"request body exceeds the limit of {self.max_bytes} bytes"
+                413,
+                "request_too_large",
+                f"request body exceeds the limit of {self.max_bytes} bytes",
             )
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ]
             await send({"type": "http.response.start", "status": 413, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
@@ -176,8 +181,10 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         # Nothing reached the harness: the intent is resolved, the rollout is not masked.
         await void_call()
         metrics.record_call(dialect.name, "upstream_error")
-        status, message = (exc.status, exc.message) if isinstance(exc, UpstreamError) else (
-            502, f"upstream call failed: {type(exc).__name__}: {exc}"
+        status, message = (
+            (exc.status, exc.message)
+            if isinstance(exc, UpstreamError)
+            else (502, f"upstream call failed: {type(exc).__name__}: {exc}")
         )
         return JSONResponse(dialect.error_body(status, message), status_code=status)
     finally:
@@ -189,16 +196,16 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     reply = dialect.reply(captured, body)
     if body.get("stream") is True:
         return StreamingResponse(
-            _chunks(dialect.stream(reply, body)), media_type="text/event-stream", headers=sse.SSE_HEADERS
+            _chunks(dialect.stream(reply, body)),
+            media_type="text/event-stream",
+            headers=sse.SSE_HEADERS,
         )
     return JSONBytesResponse(reply)
 
 
 def _request_body(schema: dict[str, Any]) -> dict[str, Any]:
     """OpenAPI for a body the endpoint reads itself (so unknown fields stay accepted)."""
-    return {
-        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
-    }
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def create_app(settings: ServerSettings | None = None) -> FastAPI:
@@ -263,7 +270,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             upstream = await app.state.upstream.models()
         except UpstreamError as exc:
             if not settings.model:
-                return JSONResponse(chat.error_body(exc.status, exc.message), status_code=exc.status)
+                return JSONResponse(
+                    chat.error_body(exc.status, exc.message), status_code=exc.status
+                )
             upstream = [{"id": settings.model}]
         data = [
             {
@@ -304,7 +313,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         try:
             ids = await client.tokenize(chat_request)
         except UpstreamError as exc:
-            return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
+            return JSONResponse(
+                anthropic.error_body(exc.status, exc.message), status_code=exc.status
+            )
         return JSONResponse({"input_tokens": len(ids)})
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(chat.REQUEST_SCHEMA))

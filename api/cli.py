@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if getattr(args, "_missing", None):
-        print(f"tokcap {args.command}: not available in this build ({args._missing})", file=sys.stderr)
+        print(
+            f"tokcap {args.command}: not available in this build ({args._missing})", file=sys.stderr
+        )
         return 2
     return int(args._run(args) or 0)
 

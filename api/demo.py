@@ -34,12 +34,24 @@ from capture.rollout_ids import capture_base_url
 MODEL = "tokcap-engine"
 SYSTEM = "You are a careful agent. Use the tools, then answer."
 TOOLS = [
-    {"name": "list_files", "description": "List the files in a directory.",
-     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
-                      "required": ["path"]}},
-    {"name": "word_count", "description": "Count the words of a file.",
-     "input_schema": {"type": "object", "properties": {"file": {"type": "string"}},
-                      "required": ["file"]}},
+    {
+        "name": "list_files",
+        "description": "List the files in a directory.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}},
+            "required": ["path"],
+        },
+    },
+    {
+        "name": "word_count",
+        "description": "Count the words of a file.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"file": {"type": "string"}},
+            "required": ["file"],
+        },
+    },
 ]
 TASKS = [
     "Which files are in the project, and how long is the README?",
@@ -54,10 +66,18 @@ TASKS = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollouts", type=int, default=6, help="rollouts to run (default 6)")
     parser.add_argument("--workers", type=int, default=2, help="rebuild worker processes")
-    parser.add_argument("--store", choices=["auto", "redis", "file"], default="auto",
-                        help="auto: Redis when redis-server is installed, else the file store")
-    parser.add_argument("--lossy-rate", type=float, default=0.1,
-                        help="non-canonical segmentation rate of the lossy engine (default 0.1)")
+    parser.add_argument(
+        "--store",
+        choices=["auto", "redis", "file"],
+        default="auto",
+        help="auto: Redis when redis-server is installed, else the file store",
+    )
+    parser.add_argument(
+        "--lossy-rate",
+        type=float,
+        default=0.1,
+        help="non-canonical segmentation rate of the lossy engine (default 0.1)",
+    )
     parser.add_argument("--max-turns", type=int, default=6, help="tool rounds per rollout")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", default=None, help="keep logs and data here")
@@ -106,31 +126,55 @@ def _start_backend(kind: str, workdir: Path, workers: int) -> Backend:
         server = RedisServer(workdir / "redis")
         server.data_dir.mkdir(exist_ok=True)
         server.start()
-        backend = Backend("redis", {"sink": "transports.redis:RedisTokenSink",
-                                    "sink_kwargs": {"url": server.url}}, redis=server)
+        backend = Backend(
+            "redis",
+            {"sink": "transports.redis:RedisTokenSink", "sink_kwargs": {"url": server.url}},
+            redis=server,
+        )
         for n in range(workers):
-            worker = Service(f"worker-{n}", "transports.worker_cli",
-                             ["--url", server.url, "--concurrency", "4", "--log-level", "warning"],
-                             workdir)
+            worker = Service(
+                f"worker-{n}",
+                "transports.worker_cli",
+                ["--url", server.url, "--concurrency", "4", "--log-level", "warning"],
+                workdir,
+            )
             backend.services.append(worker)
         return backend
     store_dir = workdir / "captures"
     return Backend("file", {"dir": str(store_dir)}, store_dir=store_dir)
 
 
-def _start_serving(name: str, workdir: Path, backend: Backend, engine_args: list[str]) -> tuple[str, str]:
+def _start_serving(
+    name: str, workdir: Path, backend: Backend, engine_args: list[str]
+) -> tuple[str, str]:
     """Start an engine and a front end in front of it; returns (engine url, front-end url)."""
     engine_port, front_port = free_port(), free_port()
-    engine = Service(f"engine-{name}", "api.engine.cli",
-                     ["--host", "127.0.0.1", "--port", str(engine_port), "--model", MODEL,
-                      "--policy", "random", *engine_args], workdir)
+    engine = Service(
+        f"engine-{name}",
+        "api.engine.cli",
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(engine_port),
+            "--model",
+            MODEL,
+            "--policy",
+            "random",
+            *engine_args,
+        ],
+        workdir,
+    )
     backend.services.append(engine)
     engine_url = f"http://127.0.0.1:{engine_port}"
     engine.wait_ready(engine_url + "/health")
     config = _frontend_config(workdir / f"frontend-{name}.yaml", engine_url, backend.capture_block)
-    front = Service(f"frontend-{name}", "api.serve_cli",
-                    ["--config", str(config), "--host", "127.0.0.1", "--port", str(front_port)],
-                    workdir)
+    front = Service(
+        f"frontend-{name}",
+        "api.serve_cli",
+        ["--config", str(config), "--host", "127.0.0.1", "--port", str(front_port)],
+        workdir,
+    )
     backend.services.append(front)
     front_url = f"http://127.0.0.1:{front_port}"
     front.wait_ready(front_url + "/health")
@@ -145,7 +189,9 @@ def _run_tool(name: str, arguments: dict[str, Any]) -> str:
     return f"{len(text) * 7} words in {arguments.get('file', 'the file')}"
 
 
-async def _drive(front_url: str, rollout_id: str, task: str, max_turns: int) -> tuple[dict[str, Any], int]:
+async def _drive(
+    front_url: str, rollout_id: str, task: str, max_turns: int
+) -> tuple[dict[str, Any], int]:
     """One harness run over Anthropic Messages, streamed; returns (record, turns)."""
     client = anthropic.AsyncAnthropic(
         base_url=capture_base_url(front_url, rollout_id), api_key="demo", max_retries=0
@@ -160,30 +206,61 @@ async def _drive(front_url: str, rollout_id: str, task: str, max_turns: int) -> 
                 model=MODEL, max_tokens=512, system=SYSTEM, tools=TOOLS, messages=messages
             ) as stream:
                 final = await stream.get_final_message()
-            messages.append({"role": "assistant",
-                             "content": [b.model_dump(exclude_none=True) for b in final.content]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [b.model_dump(exclude_none=True) for b in final.content],
+                }
+            )
             calls = [b for b in final.content if b.type == "tool_use"]
             if not calls:
                 break
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.id, "content": _run_tool(b.name, b.input)}
-                for b in calls
-            ]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": b.id,
+                            "content": _run_tool(b.name, b.input),
+                        }
+                        for b in calls
+                    ],
+                }
+            )
     finally:
         await client.close()
     text = "".join(b.text for b in final.content if b.type == "text") if final else ""
-    output = [{"type": "message", "role": "assistant", "status": "completed",
-               "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    output = [
+        {
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+    ]
     for block in final.content if final else ():
         if block.type == "tool_use":
-            output.append({"type": "function_call", "call_id": block.id, "name": block.name,
-                           "arguments": json.dumps(block.input)})
-    record = {"_ng_rollout_id": rollout_id, "reward": 1.0, "transcript": messages,
-              "response": {"id": f"resp_{rollout_id}", "object": "response", "output": output}}
+            output.append(
+                {
+                    "type": "function_call",
+                    "call_id": block.id,
+                    "name": block.name,
+                    "arguments": json.dumps(block.input),
+                }
+            )
+    record = {
+        "_ng_rollout_id": rollout_id,
+        "reward": 1.0,
+        "transcript": messages,
+        "response": {"id": f"resp_{rollout_id}", "object": "response", "output": output},
+    }
     return record, turns
 
 
-async def _rebuild(backend: Backend, records: list[dict[str, Any]], progress: Progress) -> list[dict[str, Any]]:
+async def _rebuild(
+    backend: Backend, records: list[dict[str, Any]], progress: Progress
+) -> list[dict[str, Any]]:
     """Rebuilt records, by rollout id: through the worker pool, or in this process."""
     task = progress.add_task("rebuilding", total=len(records))
     if backend.kind == "file":
@@ -235,7 +312,9 @@ def _check(row: Row, engine: httpx.Client) -> None:
     )
     for call in row.truth:
         text = engine.post("/detokenize", json={"tokens": call["token_ids"]}).json()["prompt"]
-        again = engine.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        again = engine.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()[
+            "tokens"
+        ]
         matcher = difflib.SequenceMatcher(a=call["token_ids"], b=again, autojunk=False)
         matched = sum(block.size for block in matcher.get_matching_blocks())
         row.retokenized_wrong += len(call["token_ids"]) - matched
@@ -244,15 +323,29 @@ def _check(row: Row, engine: httpx.Client) -> None:
 
 def _table(rows: list[Row], backend: str) -> Table:
     table = Table(title=f"tokcap demo: {len(rows)} rollouts, rebuilt via {backend}")
-    for name in ("rollout", "serving", "turns", "calls", "chains", "delivered", "mask",
-                 "ids = sampled", "re-tokenized wrong"):
-        table.add_column(name, justify="left" if name in ("rollout", "serving") else "right",
-                         no_wrap=True)
+    for name in (
+        "rollout",
+        "serving",
+        "turns",
+        "calls",
+        "chains",
+        "delivered",
+        "mask",
+        "ids = sampled",
+        "re-tokenized wrong",
+    ):
+        table.add_column(
+            name, justify="left" if name in ("rollout", "serving") else "right", no_wrap=True
+        )
     for row in rows:
         metrics = row.record.get("_ng_token_capture") or {}
         table.add_row(
-            row.rollout_id, row.serving, str(row.turns), str(metrics.get("n_calls", "-")),
-            str(metrics.get("chains", "-")), f"{metrics.get('delivered_fraction', 0):.2f}",
+            row.rollout_id,
+            row.serving,
+            str(row.turns),
+            str(metrics.get("n_calls", "-")),
+            str(metrics.get("chains", "-")),
+            f"{metrics.get('delivered_fraction', 0):.2f}",
             "yes" if row.record.get("mask_sample") else "no",
             "yes" if row.ids_exact else "NO",
             f"{row.retokenized_wrong} of {row.sampled_tokens}",
@@ -270,16 +363,25 @@ async def _main(args: argparse.Namespace, workdir: Path, console: Console) -> in
         with Progress(console=console, transient=True) as progress:
             starting = progress.add_task("starting engines and front ends", total=2)
             servings = {}
-            for name, knobs in (("faithful", []), ("lossy", ["--noncanonical-rate", str(args.lossy_rate)])):
-                servings[name] = _start_serving(name, workdir, backend, ["--seed", str(args.seed), *knobs])
+            for name, knobs in (
+                ("faithful", []),
+                ("lossy", ["--noncanonical-rate", str(args.lossy_rate)]),
+            ):
+                servings[name] = _start_serving(
+                    name, workdir, backend, ["--seed", str(args.seed), *knobs]
+                )
                 progress.advance(starting)
-            driving = progress.add_task("driving rollouts (anthropic SDK, streaming)", total=args.rollouts)
+            driving = progress.add_task(
+                "driving rollouts (anthropic SDK, streaming)", total=args.rollouts
+            )
             records = []
             for n in range(args.rollouts):
                 serving = "faithful" if n % 2 == 0 else "lossy"
                 rollout_id = f"demo{n}-{uuid.uuid4().hex[:4]}"
                 engine_url, front_url = servings[serving]
-                record, turns = await _drive(front_url, rollout_id, TASKS[n % len(TASKS)], args.max_turns)
+                record, turns = await _drive(
+                    front_url, rollout_id, TASKS[n % len(TASKS)], args.max_turns
+                )
                 records.append(record)
                 # Rollouts run one at a time, so the engine's log since the last one is this one.
                 async with httpx.AsyncClient(base_url=engine_url, timeout=30) as engine:
@@ -299,11 +401,23 @@ async def _main(args: argparse.Namespace, workdir: Path, console: Console) -> in
         if backend.redis is not None:
             backend.redis.stop()
     if args.json:
-        console.print_json(json.dumps([
-            {"rollout_id": r.rollout_id, "serving": r.serving, "turns": r.turns,
-             "metrics": r.record.get("_ng_token_capture"), "mask_sample": r.record.get("mask_sample"),
-             "ids_exact": r.ids_exact, "retokenized_wrong": r.retokenized_wrong,
-             "sampled_tokens": r.sampled_tokens} for r in rows]))
+        console.print_json(
+            json.dumps(
+                [
+                    {
+                        "rollout_id": r.rollout_id,
+                        "serving": r.serving,
+                        "turns": r.turns,
+                        "metrics": r.record.get("_ng_token_capture"),
+                        "mask_sample": r.record.get("mask_sample"),
+                        "ids_exact": r.ids_exact,
+                        "retokenized_wrong": r.retokenized_wrong,
+                        "sampled_tokens": r.sampled_tokens,
+                    }
+                    for r in rows
+                ]
+            )
+        )
     else:
         console.print(_table(rows, "Redis + worker pool" if kind == "redis" else "file store"))
         console.print(

@@ -43,9 +43,9 @@ def dumps(value: Any) -> bytes:
     try:
         return orjson.dumps(value)
     except TypeError:  # orjson.JSONEncodeError: let the stdlib encode it or say why not
-        return json.dumps(
-            value, ensure_ascii=False, allow_nan=False, separators=(",", ":")
-        ).encode("utf-8")
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(
+            "utf-8"
+        )
 
 
 class JSONBytesResponse(Response):

@@ -54,7 +54,11 @@ class Service:
     """One ``python -m module`` child with its output in a log file."""
 
     def __init__(
-        self, name: str, module: str, args: list[str], log_dir: Path,
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        log_dir: Path,
         env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
@@ -62,7 +66,9 @@ class Service:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
 

@@ -47,12 +47,26 @@ class RedisServer:
             raise RedisServerUnavailable(
                 "redis-server is not installed (apt-get install -y redis-server)"
             )
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-                str(self.data_dir), "--daemonize", "no", "--logfile", "server.log"]
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--daemonize",
+            "no",
+            "--logfile",
+            "server.log",
+        ]
         for name, value in self.options.items():  # a tuple value is several arguments
             args += [f"--{name}", *(value if isinstance(value, tuple) else (value,))]
         self.proc = subprocess.Popen(
-            args, cwd=self.data_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            args,
+            cwd=self.data_dir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout

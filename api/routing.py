@@ -30,7 +30,7 @@ def _strip_raw_path(raw_path: bytes | None, path: str, rest: str) -> bytes:
     """The raw path without the prefix; re-encoded when the client escaped the prefix."""
     prefix = path[: len(path) - len(rest)] if path.endswith(rest) else ""
     if raw_path is not None and prefix and raw_path.startswith(prefix.encode()):
-        stripped = raw_path[len(prefix.encode()):]
+        stripped = raw_path[len(prefix.encode()) :]
         return stripped if stripped.startswith(b"/") else b"/" + stripped
     return rest.encode()
 

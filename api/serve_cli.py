@@ -23,10 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", help="engine URL; overrides model_server.upstream")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     # uvicorn's event loop and HTTP parser; auto takes uvloop and httptools (uvicorn[standard]).
-    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
-                        help="event loop (default auto: uvloop)")
-    parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
-                        help="HTTP/1.1 parser (default auto: httptools)")
+    parser.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="event loop (default auto: uvloop)",
+    )
+    parser.add_argument(
+        "--http",
+        choices=["auto", "h11", "httptools"],
+        default="auto",
+        help="HTTP/1.1 parser (default auto: httptools)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(sink.close())
     capture = "off"
     if settings.capture.enabled:
-        capture = "on" if sink is not None else (
-            "on, but no dir or sink is configured: tagged calls are served, not captured")
+        capture = (
+            "on"
+            if sink is not None
+            else ("on, but no dir or sink is configured: tagged calls are served, not captured")
+        )
     print(
         f"tokcap serve: http://{args.host}:{args.port} -> upstream {settings.upstream} "
         f"(capture {capture}, {args.workers} worker(s))",

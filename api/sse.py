@@ -35,9 +35,14 @@ def _block_start(block: Mapping[str, Any]) -> dict[str, Any]:
 
 def _block_delta(block: Mapping[str, Any]) -> dict[str, Any] | None:
     if block["type"] == "tool_use":
-        return {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        return {
+            "type": "input_json_delta",
+            "partial_json": json.dumps(block["input"], ensure_ascii=False),
+        }
     if block["type"] == "thinking":
-        return {"type": "thinking_delta", "thinking": block["thinking"]} if block["thinking"] else None
+        return (
+            {"type": "thinking_delta", "thinking": block["thinking"]} if block["thinking"] else None
+        )
     return {"type": "text_delta", "text": block["text"]} if block["text"] else None
 
 
@@ -55,7 +60,8 @@ def anthropic_events(reply: Mapping[str, Any]) -> Iterator[bytes]:
         delta = _block_delta(block)
         if delta is not None:
             yield event(
-                "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
             )
         yield event("content_block_stop", {"type": "content_block_stop", "index": index})
     yield event(

@@ -97,7 +97,9 @@ def upstream_request(
     return body, tuple(sorted(overrides))
 
 
-def _logprob_ids(choice: Mapping[str, Any]) -> tuple[list[int] | None, list[float] | None, str | None]:
+def _logprob_ids(
+    choice: Mapping[str, Any],
+) -> tuple[list[int] | None, list[float] | None, str | None]:
     logprobs = choice.get("logprobs")
     content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
     if not isinstance(content, list):
@@ -109,7 +111,7 @@ def _logprob_ids(choice: Mapping[str, Any]) -> tuple[list[int] | None, list[floa
         if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
             return None, None, f"log-prob token {position} is {token!r}, not 'token_id:N'"
         try:
-            ids.append(int(token[len(TOKEN_ID_PREFIX):]))
+            ids.append(int(token[len(TOKEN_ID_PREFIX) :]))
             values.append(float(item["logprob"]))
         except (KeyError, TypeError, ValueError):
             return None, None, f"log-prob entry {position} is malformed: {item!r}"
@@ -275,7 +277,5 @@ class UpstreamClient:
 
 def _with(generation: Generation, **changes: Any) -> Generation:
     if "ids_problem" in changes:
-        changes.update(
-            prompt_token_ids=None, generation_token_ids=None, generation_log_probs=None
-        )
+        changes.update(prompt_token_ids=None, generation_token_ids=None, generation_log_probs=None)
     return replace(generation, **changes)

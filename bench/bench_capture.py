@@ -45,8 +45,11 @@ SYSTEM_TOKENS = 2_000
 GENERATED_PER_TURN = 200
 TOOL_PER_TURN = 300
 VOCAB = 151_000
-FINAL_ANSWER = {"type": "message", "role": "assistant",
-                "content": [{"type": "output_text", "text": "All tests pass.", "annotations": []}]}
+FINAL_ANSWER = {
+    "type": "message",
+    "role": "assistant",
+    "content": [{"type": "output_text", "text": "All tests pass.", "annotations": []}],
+}
 TARGETS = {"put_p50_ms": 2.0, "bytes_ratio": 1.5, "rebuild_ms": {50: 50.0, 200: 200.0}}
 
 
@@ -76,8 +79,14 @@ STORE_KINDS: dict[str, StoreKind] = {
 def synthetic_rollout(rollout_id: str, turns: int, seed: int = 0) -> list[TokenEntry]:
     """The agent loop described in the module docstring, as the server would capture it."""
     return growing_rollout(
-        rollout_id, turns, system_tokens=SYSTEM_TOKENS, generated_per_turn=GENERATED_PER_TURN,
-        tool_tokens_per_turn=TOOL_PER_TURN, vocab=VOCAB, seed=seed, final_item=FINAL_ANSWER,
+        rollout_id,
+        turns,
+        system_tokens=SYSTEM_TOKENS,
+        generated_per_turn=GENERATED_PER_TURN,
+        tool_tokens_per_turn=TOOL_PER_TURN,
+        vocab=VOCAB,
+        seed=seed,
+        final_item=FINAL_ANSWER,
     )
 
 
@@ -151,7 +160,9 @@ async def bench_store(kind: StoreKind, turns: int, repeat: int = 5) -> dict[str,
     rollout_id = f"bench-{kind.name}-{turns}"
     entries = synthetic_rollout(rollout_id, turns)
     final_answer = [dict(entries[-1].output_items[0])]
-    with tempfile.TemporaryDirectory(prefix="tokcap-bench-", dir=os.environ.get("BENCH_DIR")) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="tokcap-bench-", dir=os.environ.get("BENCH_DIR")
+    ) as tmp:
         scratch = Path(tmp)
         sizes = new_bytes_per_put(entries)
         baseline = FsyncBaseline(scratch)
@@ -226,8 +237,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['decode_floor_ms']:>5.1f}ms {r['rebuild_ms'] / max(r['decode_floor_ms'], 1e-9):>5.2f}"
         )
     print()
-    print("x columns: put p50 / bare write+fsync p50; stored / raw final context "
-          "(4 B per id + 8 B per generated log-prob); freeze+build / decode floor.")
+    print(
+        "x columns: put p50 / bare write+fsync p50; stored / raw final context "
+        "(4 B per id + 8 B per generated log-prob); freeze+build / decode floor."
+    )
     for r in rows:
         rebuild_target = TARGETS["rebuild_ms"].get(r["turns"])
         checks = [

@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     body = {
         "messages": [{"role": "user", "content": prompt_of(args.prompt_tokens)}],
-        "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
-        "return_token_ids": True, "n": 1,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        "n": 1,
     }
     with serve_app(create_app(EngineSettings())) as base, httpx.Client(timeout=60) as client:
         client.post(f"{base}/v1/chat/completions", json=body).raise_for_status()  # warm-up
@@ -52,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     latencies.sort()
     p50 = statistics.median(latencies) * 1000
     p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] * 1000
-    print(f"prompt {prompt_tokens} tokens, {args.calls} calls: "
-          f"p50 {p50:.1f} ms, p95 {p95:.1f} ms, "
-          f"{generated / sum(latencies):.0f} generated tokens/s end to end")
+    print(
+        f"prompt {prompt_tokens} tokens, {args.calls} calls: "
+        f"p50 {p50:.1f} ms, p95 {p95:.1f} ms, "
+        f"{generated / sum(latencies):.0f} generated tokens/s end to end"
+    )
     return 0
 
 

@@ -78,12 +78,25 @@ def servers(
     engine = f"http://127.0.0.1:{engine_port}"
     front = f"http://127.0.0.1:{front_port}"
     engine_cmd = [sys.executable, "-m", "api.engine.cli", "--port", str(engine_port), *server_args]
-    front_cmd = [sys.executable, "-m", "api.serve_cli", "--config", str(config),
-                 "--upstream", engine, "--port", str(front_port), "--log-level", "warning",
-                 *server_args]
+    front_cmd = [
+        sys.executable,
+        "-m",
+        "api.serve_cli",
+        "--config",
+        str(config),
+        "--upstream",
+        engine,
+        "--port",
+        str(front_port),
+        "--log-level",
+        "warning",
+        *server_args,
+    ]
     direct_body, front_body = bodies
-    with run_process(engine_cmd, ready_url=engine + "/health", env=env) as engine_proc, \
-            run_process(front_cmd, ready_url=front + "/health", env=env) as front_proc:
+    with (
+        run_process(engine_cmd, ready_url=engine + "/health", env=env) as engine_proc,
+        run_process(front_cmd, ready_url=front + "/health", env=env) as front_proc,
+    ):
         yield {
             "direct": (engine + "/v1/chat/completions", direct_body, engine_proc.pid),
             "untagged": (f"{front}/v1/messages", front_body, front_proc.pid),
@@ -134,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--prompt-tokens", type=int, default=16000)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--baseline-src", default=None,
-                        help="another checkout's root to run and compare against, same run")
+    parser.add_argument(
+        "--baseline-src",
+        default=None,
+        help="another checkout's root to run and compare against, same run",
+    )
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto")
     args = parser.parse_args(argv)
@@ -165,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         times, cpu = measure(client, setups, args.calls)
         engine = next(iter(setups.values()))["direct"][0].rsplit("/v1/", 1)[0]
         prompt_tokens = client.post(
-            engine + "/tokenize", json={"model": "tokcap-engine", "messages": direct_body["messages"]}
+            engine + "/tokenize",
+            json={"model": "tokcap-engine", "messages": direct_body["messages"]},
         ).json()["count"]
-    print(f"prompt {prompt_tokens} tokens, {args.calls} interleaved rounds, "
-          f"max_tokens {args.max_tokens}, loop {args.loop}, http {args.http}")
+    print(
+        f"prompt {prompt_tokens} tokens, {args.calls} interleaved rounds, "
+        f"max_tokens {args.max_tokens}, loop {args.loop}, http {args.http}"
+    )
     names = list(setups)
     table = {name: rows({kind: times[name, kind] for kind in KINDS}) for name in names}
     header = "".join(f"  {name + ' p50':>12s} {'p95':>8s}" for name in names)

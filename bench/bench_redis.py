@@ -59,7 +59,9 @@ def redis_kind(url: str) -> StoreKind:
 async def put_27k(kinds: list[StoreKind], trials: int) -> dict[str, float]:
     """p50 (ms) of the 27,000-token put per store, trials alternating between stores."""
     times: dict[str, list[float]] = {kind.name: [] for kind in kinds}
-    with tempfile.TemporaryDirectory(prefix="tokcap-bench-", dir=os.environ.get("BENCH_DIR")) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="tokcap-bench-", dir=os.environ.get("BENCH_DIR")
+    ) as tmp:
         stores = {kind.name: await kind.open(Path(tmp) / kind.name) for kind in kinds}
         for trial in range(trials):
             entries = synthetic_rollout(f"put27k-{trial}", PUT_TURN + 1, seed=trial)
@@ -82,11 +84,15 @@ async def main(url: str, turns: list[int], trials: int) -> None:
     print_table(rows)
     p50 = await put_27k(kinds, trials)
     print()
-    print(f"put p50 of one 27,000-token entry ({trials} trials): "
-          + ", ".join(f"{name} {ms:.2f} ms" for name, ms in p50.items())
-          + f"; file / redis = {p50['file'] / p50['redis']:.2f}x")
-    print("targets: redis put p50 <= 1.0 ms and >= 3x faster than the file store; "
-          "redis bytes <= 1.5x the raw final context at 200 turns")
+    print(
+        f"put p50 of one 27,000-token entry ({trials} trials): "
+        + ", ".join(f"{name} {ms:.2f} ms" for name, ms in p50.items())
+        + f"; file / redis = {p50['file'] / p50['redis']:.2f}x"
+    )
+    print(
+        "targets: redis put p50 <= 1.0 ms and >= 3x faster than the file store; "
+        "redis bytes <= 1.5x the raw final context at 200 turns"
+    )
 
 
 if __name__ == "__main__":

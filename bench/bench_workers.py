@@ -35,16 +35,25 @@ from transports.results import decode_result, ensure_group  # noqa: E402
 
 
 def rollout_entries(rollout_id: str, args: argparse.Namespace) -> list[TokenEntry]:
-    final = {"type": "message", "role": "assistant",
-             "content": [{"type": "output_text", "text": f"done {rollout_id}"}]}
-    return growing_rollout(rollout_id, args.turns, system_tokens=args.system,
-                           generated_per_turn=args.gen, tool_tokens_per_turn=args.tool,
-                           final_item=final)
+    final = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": f"done {rollout_id}"}],
+    }
+    return growing_rollout(
+        rollout_id,
+        args.turns,
+        system_tokens=args.system,
+        generated_per_turn=args.gen,
+        tool_tokens_per_turn=args.tool,
+        final_item=final,
+    )
 
 
 async def populate(url: str, prefix: str, rollout_ids: list[str], args) -> None:
     store = RedisTokenStore(url=url, key_prefix=prefix)
     try:
+
         async def one(rollout_id: str) -> None:
             for entry in rollout_entries(rollout_id, args):
                 await store.put(entry)
@@ -64,12 +73,27 @@ async def measure(url: str, workers: int, args, log_dir: str, trial: int = 0) ->
     procs: list[Service] = []
     try:
         for n in range(workers):
-            procs.append(Service(
-                f"w{workers}-{n}", "transports.worker_cli",
-                ["--url", url, "--key-prefix", prefix, "--consumer", f"w{n}", "--concurrency",
-                 str(args.concurrency), "--block-ms", "50", "--log-level", "warning"],
-                Path(log_dir),
-            ))
+            procs.append(
+                Service(
+                    f"w{workers}-{n}",
+                    "transports.worker_cli",
+                    [
+                        "--url",
+                        url,
+                        "--key-prefix",
+                        prefix,
+                        "--consumer",
+                        f"w{n}",
+                        "--concurrency",
+                        str(args.concurrency),
+                        "--block-ms",
+                        "50",
+                        "--log-level",
+                        "warning",
+                    ],
+                    Path(log_dir),
+                )
+            )
         while len(await client.xinfo_consumers(jobs, "rebuild")) < workers:
             if any(proc.proc.poll() is not None for proc in procs):
                 sys.exit(f"a worker exited early; see {log_dir}")
@@ -77,9 +101,23 @@ async def measure(url: str, workers: int, args, log_dir: str, trial: int = 0) ->
         async with RebuildQueue(client=client, stream=jobs) as queue:
             started = time.perf_counter()
             for rollout_id in rollout_ids:
-                await queue.submit({"_ng_rollout_id": rollout_id, "reward": 1.0, "response": {
-                    "output": [{"type": "message", "role": "assistant",
-                                "content": [{"type": "output_text", "text": f"done {rollout_id}"}]}]}})
+                await queue.submit(
+                    {
+                        "_ng_rollout_id": rollout_id,
+                        "reward": 1.0,
+                        "response": {
+                            "output": [
+                                {
+                                    "type": "message",
+                                    "role": "assistant",
+                                    "content": [
+                                        {"type": "output_text", "text": f"done {rollout_id}"}
+                                    ],
+                                }
+                            ]
+                        },
+                    }
+                )
         while True:
             done = await client.xlen(results)
             pending = (await client.xpending(jobs, "rebuild"))["pending"]
@@ -95,9 +133,14 @@ async def measure(url: str, workers: int, args, log_dir: str, trial: int = 0) ->
         if masked:
             reasons = decode_result("0-0", masked[0])["_ng_token_capture"].get("mask_reasons")
             print(f"{len(masked)} masked with {workers} worker(s), e.g.: {reasons}")
-        return {"workers": workers, "seconds": elapsed, "rate": args.rollouts / elapsed,
-                "dead": await client.xlen(dead), "masked": len(masked),
-                "result_kib": result_bytes / args.rollouts / 1024}
+        return {
+            "workers": workers,
+            "seconds": elapsed,
+            "rate": args.rollouts / elapsed,
+            "dead": await client.xlen(dead),
+            "masked": len(masked),
+            "result_kib": result_bytes / args.rollouts / 1024,
+        }
     finally:
         for proc in procs:
             proc.stop()
@@ -111,9 +154,11 @@ async def main_async(args: argparse.Namespace) -> None:
         url = server.url
         try:
             final = args.system + args.turns * (args.gen + args.tool)
-            console.print(f"{args.rollouts} rollouts x {args.turns} turns (final context "
-                          f"{final} tokens), {os.cpu_count()} cores, concurrency "
-                          f"{args.concurrency} per worker")
+            console.print(
+                f"{args.rollouts} rollouts x {args.turns} turns (final context "
+                f"{final} tokens), {os.cpu_count()} cores, concurrency "
+                f"{args.concurrency} per worker"
+            )
             # Alternate the two set-ups and keep each one's median run, so a burst of other
             # work on the shared cores does not land on one side only.
             runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
@@ -127,13 +172,21 @@ async def main_async(args: argparse.Namespace) -> None:
     for column in ("workers", "seconds", "rollouts/s", "result KiB/rollout", "masked", "dead"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(str(row["workers"]), f"{row['seconds']:.2f}", f"{row['rate']:.1f}",
-                      f"{row['result_kib']:.0f}", str(row["masked"]), str(row["dead"]))
+        table.add_row(
+            str(row["workers"]),
+            f"{row['seconds']:.2f}",
+            f"{row['rate']:.1f}",
+            f"{row['result_kib']:.0f}",
+            str(row["masked"]),
+            str(row["dead"]),
+        )
     console.print(table)
     console.print(f"median of {args.trials} alternating runs each")
-    console.print(f"speed-up 2 vs 1 workers: {rows[1]['rate'] / rows[0]['rate']:.2f}x "
-                  f"(load average now {os.getloadavg()[0]:.1f}; other work on the cores "
-                  "lowers it)")
+    console.print(
+        f"speed-up 2 vs 1 workers: {rows[1]['rate'] / rows[0]['rate']:.2f}x "
+        f"(load average now {os.getloadavg()[0]:.1f}; other work on the cores "
+        "lowers it)"
+    )
 
 
 def main() -> None:

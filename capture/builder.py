@@ -210,7 +210,9 @@ def _link(calls: list[TokenEntry]) -> tuple[list[int | None], list[bool]]:
         ambiguous.append(len(found) > 1)
         full = len(prompt) + len(entry.generation_token_ids)
         if full >= _KEY_TOKENS:
-            key = tuple((prompt[:_KEY_TOKENS] + entry.generation_token_ids[:_KEY_TOKENS])[:_KEY_TOKENS])
+            key = tuple(
+                (prompt[:_KEY_TOKENS] + entry.generation_token_ids[:_KEY_TOKENS])[:_KEY_TOKENS]
+            )
             keyed.setdefault(key, _LengthIndex()).add(full, position)
         else:
             short.add(full, position)

@@ -265,7 +265,9 @@ def body_block_names(body: bytes, blocks: Mapping[str, bytes]) -> list[str]:
     return chain_names(data["tip"], data["n_blocks"], blocks)
 
 
-def _assemble(tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any]) -> list[int]:
+def _assemble(
+    tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any]
+) -> list[int]:
     """The ids of the chain ending in ``tip``.
 
     The walk back from the tip stops at the longest prefix an earlier entry of this snapshot
@@ -325,8 +327,7 @@ def decode_entry(
     prompt_len, generated = data["prompt_len"], data["generated"]
     if len(sequence) != prompt_len + generated:
         raise ValueError(
-            f"stored sequence has {len(sequence)} ids but the entry says "
-            f"{prompt_len} + {generated}"
+            f"stored sequence has {len(sequence)} ids but the entry says {prompt_len} + {generated}"
         )
     fields = {
         **data["fields"],

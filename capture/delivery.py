@@ -112,8 +112,7 @@ async def finalize_rollout_token_capture(
         build = run_builder(snapshot, final_answer=output)
         if build.rollout_id != rollout_id:
             raise TokenCaptureError(
-                f"source returned a snapshot of rollout {build.rollout_id!r} "
-                f"for {rollout_id!r}"
+                f"source returned a snapshot of rollout {build.rollout_id!r} for {rollout_id!r}"
             )
         reasons = _mask_reasons(snapshot, build)
         metrics.update(build.metrics())

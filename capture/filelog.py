@@ -160,7 +160,9 @@ class LockedLog:
 
     def replace(self, records: list[dict[str, Any]]) -> None:
         """Atomically replace the file's content by ``records`` (write, fsync, rename)."""
-        tmp = self.path[: -len(".log")] + ".tmp" if self.path.endswith(".log") else self.path + ".tmp"
+        tmp = (
+            self.path[: -len(".log")] + ".tmp" if self.path.endswith(".log") else self.path + ".tmp"
+        )
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             data = b"".join(frame(record) for record in records)

@@ -89,8 +89,13 @@ class RolloutState:
 
 def head_record(rollout_id: str) -> dict[str, Any]:
     """The first record of every log; its random id tells a rewritten log from the old one."""
-    return {"k": "head", "format": LOG_FORMAT, "rollout_id": rollout_id,
-            "log_id": uuid.uuid4().hex, "at": time.time()}
+    return {
+        "k": "head",
+        "format": LOG_FORMAT,
+        "rollout_id": rollout_id,
+        "log_id": uuid.uuid4().hex,
+        "at": time.time(),
+    }
 
 
 def put_record(entry: TokenEntry, encoded: EncodedEntry, state: RolloutState) -> dict[str, Any]:

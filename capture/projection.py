@@ -47,8 +47,10 @@ def _arguments(value: Any) -> str:
 
 def is_chat_message(item: Any) -> bool:
     """A Chat-completions message (``role``/``content``/``tool_calls``, no ``type``)."""
-    return isinstance(item, Mapping) and "type" not in item and (
-        "role" in item or "content" in item or "tool_calls" in item
+    return (
+        isinstance(item, Mapping)
+        and "type" not in item
+        and ("role" in item or "content" in item or "tool_calls" in item)
     )
 
 

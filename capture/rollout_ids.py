@@ -22,9 +22,7 @@ CAPTURE_SEGMENT = "training-token-capture"
 def validate_rollout_id(rollout_id: Any) -> str:
     """Return the id unchanged, or raise naming the rule it breaks."""
     if not isinstance(rollout_id, str):
-        raise InvalidRolloutIdError(
-            f"rollout id must be a string, got {type(rollout_id).__name__}"
-        )
+        raise InvalidRolloutIdError(f"rollout id must be a string, got {type(rollout_id).__name__}")
     if len(rollout_id) > ROLLOUT_ID_MAX_LEN:
         raise InvalidRolloutIdError(
             f"rollout id is {len(rollout_id)} characters long; the limit is {ROLLOUT_ID_MAX_LEN}"
@@ -83,5 +81,5 @@ def split_capture_path(path: str) -> tuple[str | None, bool, str]:
     rest = "/" + parts[3] if len(parts) > 3 else "/"
     segment = "/" + CAPTURE_SEGMENT
     if rest == segment or rest.startswith(segment + "/"):
-        return rollout_id, True, rest[len(segment):] or "/"
+        return rollout_id, True, rest[len(segment) :] or "/"
     return rollout_id, False, rest

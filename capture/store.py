@@ -212,8 +212,12 @@ class TokenCaptureStore:
                 return
             if stored is not None:
                 reason = f"call {entry.model_call_id} was put twice with different payloads"
-                self._append(entry.rollout_id, log, state,
-                             [{"k": "lost", "call": entry.model_call_id, "reason": reason}])
+                self._append(
+                    entry.rollout_id,
+                    log,
+                    state,
+                    [{"k": "lost", "call": entry.model_call_id, "reason": reason}],
+                )
                 raise ConflictingEntryError(
                     f"rollout {entry.rollout_id}: {reason}; the rollout is marked incomplete"
                 )
@@ -222,14 +226,16 @@ class TokenCaptureStore:
     def _mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         path = self._path(rollout_id)
         reason = reason or (
-            f"call {model_call_id} was marked incomplete" if model_call_id
+            f"call {model_call_id} was marked incomplete"
+            if model_call_id
             else "the rollout was marked incomplete"
         )
         with locked_log(path, create=True, fsync=self.fsync) as log:
             assert log is not None
             state = self._load(rollout_id, log)
-            self._append(rollout_id, log, state,
-                         [{"k": "lost", "call": model_call_id, "reason": reason}])
+            self._append(
+                rollout_id, log, state, [{"k": "lost", "call": model_call_id, "reason": reason}]
+            )
 
     def _intent(self, rollout_id: str, model_call_id: str, kind: str) -> None:
         path = self._path(rollout_id)
@@ -243,7 +249,9 @@ class TokenCaptureStore:
                 return  # nothing to resolve, frozen or not
             if state.frozen:
                 raise self._frozen_error(rollout_id, state)
-            if kind == "intent" and (model_call_id in state.intents or model_call_id in state.calls):
+            if kind == "intent" and (
+                model_call_id in state.intents or model_call_id in state.calls
+            ):
                 return  # already recorded, or already resolved by its entry
             self._append(rollout_id, log, state, [{"k": kind, "call": model_call_id}])
 
@@ -283,9 +291,16 @@ class TokenCaptureStore:
             if state.retired:
                 return True
             head = head_record(rollout_id)
-            lost = state.lost + [f"call {c} has an intent but no entry" for c in state.pending_intents]
-            tomb = {"k": "tomb", "snapshot_id": snapshot_id, "version": version,
-                    "lost": lost, "at": time.time()}
+            lost = state.lost + [
+                f"call {c} has an intent but no entry" for c in state.pending_intents
+            ]
+            tomb = {
+                "k": "tomb",
+                "snapshot_id": snapshot_id,
+                "version": version,
+                "lost": lost,
+                "at": time.time(),
+            }
             log.replace([head, tomb])
             self._remember(rollout_id, None, None)
             return True
@@ -348,4 +363,3 @@ class TokenCaptureStore:
                 except ValueError:
                     continue
         return sorted(names)
-

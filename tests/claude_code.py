@@ -44,7 +44,10 @@ def _cli_version(path: Path) -> str | None:
     """The version the binary prints, or None if it does not run."""
     try:
         proc = subprocess.run(
-            [str(path), "--version"], capture_output=True, text=True, timeout=60,
+            [str(path), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
             env=_base_env(Path("/tmp")),
         )
     except (OSError, subprocess.TimeoutExpired):
@@ -105,7 +108,9 @@ def ensure_claude_cli(version: str = CLAUDE_CODE_VERSION) -> Path:
         try:
             proc = subprocess.run(
                 [npm, "install", "--prefix", str(prefix), spec, "--no-audit", "--no-fund"],
-                capture_output=True, text=True, timeout=NPM_INSTALL_TIMEOUT_S,
+                capture_output=True,
+                text=True,
+                timeout=NPM_INSTALL_TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:
             raise ClaudeCliUnavailable(
@@ -134,7 +139,10 @@ def _base_env(home: Path) -> dict[str, str]:
 
 
 def claude_env(
-    base_url: str, home: Path, *, nonessential_traffic: bool = False,
+    base_url: str,
+    home: Path,
+    *,
+    nonessential_traffic: bool = False,
     extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of the fixture README; ``nonessential_traffic`` lets the title call in."""
@@ -156,8 +164,15 @@ def claude_env(
 
 def claude_command(cli: Path, prompt: str, model: str = DEFAULT_MODEL) -> list[str]:
     return [
-        str(cli), "-p", prompt, "--output-format", "stream-json", "--verbose",
-        "--dangerously-skip-permissions", "--model", model,
+        str(cli),
+        "-p",
+        prompt,
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--dangerously-skip-permissions",
+        "--model",
+        model,
     ]
 
 
@@ -187,15 +202,28 @@ def parse_stream_json(text: str) -> list[dict[str, Any]]:
 
 
 def run_claude(
-    cli: Path, prompt: str, base_url: str, *, home: Path, cwd: Path,
-    env_extra: dict[str, str] | None = None, nonessential_traffic: bool = False,
-    model: str = DEFAULT_MODEL, timeout: float = 120.0,
+    cli: Path,
+    prompt: str,
+    base_url: str,
+    *,
+    home: Path,
+    cwd: Path,
+    env_extra: dict[str, str] | None = None,
+    nonessential_traffic: bool = False,
+    model: str = DEFAULT_MODEL,
+    timeout: float = 120.0,
 ) -> ClaudeRun:
     """Run the CLI once, here; the caller is already inside the network namespace."""
     env = claude_env(base_url, home, nonessential_traffic=nonessential_traffic, extra=env_extra)
     proc = subprocess.Popen(
-        claude_command(cli, prompt, model), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        claude_command(cli, prompt, model),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -219,7 +247,9 @@ def netns_problem() -> str | None:
     try:
         proc = subprocess.run(
             netns_command(["ip", "-o", "link", "show", "up"]),
-            capture_output=True, text=True, timeout=30,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     except subprocess.TimeoutExpired:
         return "unshare -n did not finish within 30s"
@@ -237,7 +267,8 @@ def netns_problem() -> str | None:
 def _assistant_messages(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The main loop's assistant messages (sub-agent messages carry a parent tool id)."""
     return [
-        e["message"] for e in events
+        e["message"]
+        for e in events
         if e.get("type") == "assistant" and not e.get("parent_tool_use_id")
     ]
 

@@ -47,18 +47,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         engine_url = f"http://127.0.0.1:{engine_port}"
         frontend_url = f"http://127.0.0.1:{frontend_port}"
         engine = Service(
-            "engine", "api.engine.cli",
-            ["--host", "127.0.0.1",
-             "--port", str(engine_port), *spec["engine_args"]],
-            workdir, spec.get("engine_env", {}),
+            "engine",
+            "api.engine.cli",
+            ["--host", "127.0.0.1", "--port", str(engine_port), *spec["engine_args"]],
+            workdir,
+            spec.get("engine_env", {}),
         )
         servers.append(engine)
         wait_http(engine_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=engine.proc)
         frontend = Service(
-            "frontend", "api.serve_cli",
-            ["--config", spec["frontend_config"],
-             "--host", "127.0.0.1", "--port", str(frontend_port)],
-            workdir, {"TOKCAP_UPSTREAM": engine_url, **spec.get("frontend_env", {})},
+            "frontend",
+            "api.serve_cli",
+            [
+                "--config",
+                spec["frontend_config"],
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(frontend_port),
+            ],
+            workdir,
+            {"TOKCAP_UPSTREAM": engine_url, **spec.get("frontend_env", {})},
         )
         servers.append(frontend)
         wait_http(frontend_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=frontend.proc)
@@ -67,10 +76,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         base_url = f"{frontend_url}/ng-rollout/{spec['rollout_id']}/training-token-capture"
         claude_started = time.monotonic()
         claude = run_claude(
-            Path(spec["cli"]), spec["prompt"], base_url, home=home, cwd=cwd,
+            Path(spec["cli"]),
+            spec["prompt"],
+            base_url,
+            home=home,
+            cwd=cwd,
             env_extra=spec.get("env_extra"),
             nonessential_traffic=spec.get("nonessential_traffic", False),
-            model=spec["model"], timeout=spec.get("claude_timeout", 120.0),
+            model=spec["model"],
+            timeout=spec.get("claude_timeout", 120.0),
         )
         summary["claude_s"] = round(time.monotonic() - claude_started, 2)
         summary["claude"] = {

@@ -22,7 +22,6 @@ from api.redis_server import RedisServer as _RedisServer
 __all__ = ["DURABLE", "RedisServer"]
 
 
-
 class RedisServer(_RedisServer):
     """The product's private redis-server; a machine without redis-server skips the test."""
 

@@ -76,8 +76,11 @@ def make_token_entry(
         "generation_token_ids": generation,
         "generation_log_probs": log_probs,
         "output_items": [
-            {"type": "message", "role": "assistant",
-             "content": [{"type": "output_text", "text": f"answer {model_call_id}"}]}
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": f"answer {model_call_id}"}],
+            }
         ],
         "token_item_index": 0,
     }

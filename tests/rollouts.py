@@ -44,9 +44,16 @@ def growing_rollout(
                 prompt_token_ids=list(context),
                 generation_token_ids=generation,
                 generation_log_probs=log_probs,
-                output_items=[final_item if final_item is not None and turn == turns - 1
-                              else {"type": "function_call", "name": "bash",
-                                    "call_id": f"t{turn}", "arguments": "{}"}],
+                output_items=[
+                    final_item
+                    if final_item is not None and turn == turns - 1
+                    else {
+                        "type": "function_call",
+                        "name": "bash",
+                        "call_id": f"t{turn}",
+                        "arguments": "{}",
+                    }
+                ],
                 token_item_index=0,
                 created_at=1_700_000_000.0 + turn,
             )

@@ -42,7 +42,10 @@ def serve_app(app: Any, *, ready_path: str = "/health", **config: Any) -> Iterat
 
 @contextlib.contextmanager
 def run_process(
-    args: list[str], *, ready_url: str | None = None, env: dict[str, str] | None = None,
+    args: list[str],
+    *,
+    ready_url: str | None = None,
+    env: dict[str, str] | None = None,
     timeout: float = 60.0,
 ) -> Iterator[subprocess.Popen]:
     """Start a child process (``python -m ...`` style args allowed) and stop it by PID."""

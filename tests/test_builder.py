@@ -94,7 +94,11 @@ def test_linear_chain_links_each_call_to_the_previous_one():
     calls = chain_entries(5)
     build = run_builder(calls)
     assert build.parents == {
-        "c000": None, "c001": "c000", "c002": "c001", "c003": "c002", "c004": "c003"
+        "c000": None,
+        "c001": "c000",
+        "c002": "c001",
+        "c003": "c002",
+        "c004": "c003",
     }
     assert build.main_chain == tuple(e.model_call_id for e in calls)
     assert build.main_chain_by == "earliest_root"
@@ -177,9 +181,7 @@ def test_an_ambiguous_call_off_the_delivered_chain_is_reported_not_masked():
     title = entry("title-a", [70, 71], [72], text="Title")
     title_twin = entry("title-b", [70, 71], [72], text="Title")
     title_next = entry("title-c", [70, 71, 72, 73], [74], text="Title 2")
-    build = run_builder(
-        [*calls, title, title_twin, title_next], final_answer=[message("c says 2")]
-    )
+    build = run_builder([*calls, title, title_twin, title_next], final_answer=[message("c says 2")])
     assert build.main_chain == ("c000", "c001", "c002")
     assert build.quarantined == ("title-c",)
     assert not build.masked
@@ -242,7 +244,9 @@ def test_an_answer_two_leaves_produced_falls_back_to_the_earliest_root():
 def test_final_answer_matching_ignores_whitespace_and_json_key_order():
     calls = chain_entries(2)
     tool_call = {
-        "type": "function_call", "call_id": "x1", "name": "bash",
+        "type": "function_call",
+        "call_id": "x1",
+        "name": "bash",
         "arguments": '{"cmd": "ls", "cwd": "/tmp"}',
     }
     other = chain_entries(2, prefix="z", system=[8, 9], created_at=-10)
@@ -295,21 +299,37 @@ def test_chat_shaped_items_become_responses_items():
         "content": "Running it.",
         "reasoning_content": "The user wants ls.",
         "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}},
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "bash", "arguments": '{"cmd": "ls"}'},
+            },
         ],
     }
     only_tool = {
-        "role": "assistant", "content": None,
-        "tool_calls": [{"id": "call_2", "type": "function",
-                        "function": {"name": "read", "arguments": {"path": "a"}}}],
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_2",
+                "type": "function",
+                "function": {"name": "read", "arguments": {"path": "a"}},
+            }
+        ],
     }
     first = entry("c000", SYSTEM, [1, 2], items=[chat])
     second = entry("c001", SYSTEM + [1, 2, 3], [4], items=[only_tool])
-    build = run_builder([first, second], final_answer=[
-        {"type": "function_call", "call_id": "call_2", "name": "read",
-         "arguments": '{"path": "a"}'}
-    ])
+    build = run_builder(
+        [first, second],
+        final_answer=[
+            {
+                "type": "function_call",
+                "call_id": "call_2",
+                "name": "read",
+                "arguments": '{"path": "a"}',
+            }
+        ],
+    )
     assert build.main_chain_by == "final_answer"
     kinds = [item["type"] for item in build.output]
     assert kinds == ["reasoning", "message", "function_call", "function_call"]
@@ -357,7 +377,9 @@ def test_nothing_recorded_masks_and_delivers_nothing():
 
 def test_a_snapshot_and_mappings_are_accepted():
     calls = chain_entries(2)
-    snapshot = TokenCaptureSnapshot(rollout_id="r1", entries=tuple(calls), snapshot_id="s", version=3)
+    snapshot = TokenCaptureSnapshot(
+        rollout_id="r1", entries=tuple(calls), snapshot_id="s", version=3
+    )
     assert run_builder(snapshot) == run_builder([call.model_dump() for call in calls])
 
 
@@ -387,9 +409,15 @@ def test_ten_thousand_turns_build_without_recursion():
     master = [i % 251 for i in range(turns + 2)]
     calls = [
         TokenEntry.model_construct(
-            rollout_id="long", model_call_id=f"c{i:05d}", model="", routed_experts=None,
-            prompt_token_ids=master[: i + 1], generation_token_ids=[master[i + 1]],
-            generation_log_probs=[-0.5], output_items=[message(f"t{i}")], token_item_index=0,
+            rollout_id="long",
+            model_call_id=f"c{i:05d}",
+            model="",
+            routed_experts=None,
+            prompt_token_ids=master[: i + 1],
+            generation_token_ids=[master[i + 1]],
+            generation_log_probs=[-0.5],
+            output_items=[message(f"t{i}")],
+            token_item_index=0,
             created_at=float(i),
         )
         for i in range(turns)

@@ -36,8 +36,12 @@ def rollouts(draw: Any, rollout_id: str = "prop") -> list[TokenEntry]:
 
     def make(kind: str, prompt: list[int], generation: list[int], text: str) -> TokenEntry:
         return entry(
-            f"{next(names):06d}-{kind}", prompt, generation, text=text,
-            items=None if generation else [], created_at=float(draw(st.integers(0, 4))),
+            f"{next(names):06d}-{kind}",
+            prompt,
+            generation,
+            text=text,
+            items=None if generation else [],
+            created_at=float(draw(st.integers(0, 4))),
             rollout_id=rollout_id,
         )
 

@@ -58,7 +58,10 @@ SCRIPT = {
             "think": "The user wants a shell command run; Bash does that.",
             "text": "I'll run it.",
             "tool_calls": [
-                {"name": "Bash", "arguments": {"command": "echo hello", "description": "Print hello"}}
+                {
+                    "name": "Bash",
+                    "arguments": {"command": "echo hello", "description": "Print hello"},
+                }
             ],
         },
         {"turn": 1, "think": "It printed hello.", "text": FINAL_TEXT},
@@ -103,9 +106,21 @@ def worker(redis_socket: str) -> Iterator[subprocess.Popen]:
     """One real ``tokcap worker`` process on the job stream, stopped by PID."""
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "transports.worker_cli", "--url", redis_socket,
-             "--concurrency", "2", "--block-ms", "200"],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "transports.worker_cli",
+                "--url",
+                redis_socket,
+                "--concurrency",
+                "2",
+                "--block-ms",
+                "200",
+            ],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         try:
@@ -127,8 +142,12 @@ def run_driver(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.Popen(
         netns_command([sys.executable, "-m", "tests.claude_code_driver", str(spec_path)]),
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = proc.communicate(timeout=DRIVER_TIMEOUT_S)
@@ -145,8 +164,12 @@ def describe(summary: dict[str, Any]) -> str:
     """What to read when a run failed: the error, the CLI's stderr, the servers' logs."""
     parts = [f"error: {summary.get('error')}"]
     claude = summary.get("claude") or {}
-    parts.append(f"claude exit {claude.get('returncode')}, stderr: {claude.get('stderr', '')[-1500:]}")
-    parts.append(f"claude result: {json.dumps(next((e for e in claude.get('events', []) if e.get('type') == 'result'), None))[:1500]}")
+    parts.append(
+        f"claude exit {claude.get('returncode')}, stderr: {claude.get('stderr', '')[-1500:]}"
+    )
+    parts.append(
+        f"claude result: {json.dumps(next((e for e in claude.get('events', []) if e.get('type') == 'result'), None))[:1500]}"
+    )
     for name, server in (summary.get("servers") or {}).items():
         parts.append(f"--- {name} (exit {server['returncode']}) ---\n{server['log_tail'][-2500:]}")
     return "\n".join(parts)
@@ -200,8 +223,16 @@ def run_rollout(
         "prompt": PROMPT,
         "model": "claude-sonnet-4-5",
         "nonessential_traffic": nonessential_traffic,
-        "engine_args": ["--policy", "scripted", "--script", str(script_path), "--seed", "7",
-                        "--ground-truth", str(workdir / "ground_truth.jsonl")],
+        "engine_args": [
+            "--policy",
+            "scripted",
+            "--script",
+            str(script_path),
+            "--seed",
+            "7",
+            "--ground-truth",
+            str(workdir / "ground_truth.jsonl"),
+        ],
         "frontend_config": str(FRONTEND_CONFIG),
         "frontend_env": {"TOKCAP_REDIS_URL": redis_url},
         "claude_timeout": 120.0,
@@ -216,8 +247,11 @@ def run_rollout(
     assert final_answer(events) == FINAL_TEXT
     # The transcript went through the tool: the Bash call ran and printed hello.
     tool_results = [
-        block for e in events if e.get("type") == "user"
-        for block in e["message"]["content"] if block.get("type") == "tool_result"
+        block
+        for e in events
+        if e.get("type") == "user"
+        for block in e["message"]["content"]
+        if block.get("type") == "tool_result"
     ]
     assert tool_results and "hello" in json.dumps(tool_results[0]["content"])
 
@@ -231,7 +265,8 @@ def run_rollout(
 
 def token_items(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [
-        item for item in result["response"]["output"]
+        item
+        for item in result["response"]["output"]
         if isinstance(item, dict) and item.get("generation_token_ids") is not None
     ]
 
@@ -290,7 +325,9 @@ def test_title_call_is_an_extra_root(
     truth = sampled(summary)
     titles = [call for call in truth if call["content"] == TITLE_TEXT]
     agent_calls = [call for call in truth if call["content"] != TITLE_TEXT]
-    assert len(titles) == 1, "without CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC the CLI asks for a title"
+    assert len(titles) == 1, (
+        "without CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC the CLI asks for a title"
+    )
     assert len(agent_calls) == 2
 
     metrics = result["_ng_token_capture"]

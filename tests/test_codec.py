@@ -36,7 +36,8 @@ def make_entry(prompt, generation=(5, 6), log_probs=(-0.5, -0.75), **fields):
         generation_token_ids=list(generation),
         generation_log_probs=list(log_probs),
         output_items=fields.pop(
-            "output_items", [{"type": "message", "content": [{"type": "output_text", "text": "ok"}]}]
+            "output_items",
+            [{"type": "message", "content": [{"type": "output_text", "text": "ok"}]}],
         ),
         token_item_index=0,
         **fields,
@@ -61,7 +62,10 @@ def test_round_trip_exact_with_floats_and_extras():
     decoded = round_trip(entry)
     assert decoded == entry
     assert decoded.generation_log_probs == log_probs  # bit-exact, -inf included
-    assert decoded.model_extra == {"harness": "claude-code", "usage": {"input_tokens": 19, "cache": None}}
+    assert decoded.model_extra == {
+        "harness": "claude-code",
+        "usage": {"input_tokens": 19, "cache": None},
+    }
     assert decoded.created_at == entry.created_at
 
 
@@ -91,7 +95,10 @@ def test_blocks_hold_block_size_tokens():
     assert [len(unpack_ids(payload)) for _, payload in blocks] == [B, B, 5]
     assert [t for _, payload in blocks for t in unpack_ids(payload)] == prompt
     assert len({name for name, _ in blocks}) == 3
-    assert prompt_blocks(list(range(2 * B)), B)[-1][0] != prompt_blocks(list(range(2 * B + 1)), B)[-1][0]
+    assert (
+        prompt_blocks(list(range(2 * B)), B)[-1][0]
+        != prompt_blocks(list(range(2 * B + 1)), B)[-1][0]
+    )
 
 
 def test_default_block_size():
@@ -147,7 +154,11 @@ def test_digest_same_for_entry_and_its_mapping():
         {"prompt_token_ids": list(range(12)) + [0]},  # one token longer
         {"generation_token_ids": [5, 7]},
         {"generation_log_probs": [-0.5, -0.7500000000000001]},
-        {"output_items": [{"type": "message", "content": [{"type": "output_text", "text": "ok!"}]}]},
+        {
+            "output_items": [
+                {"type": "message", "content": [{"type": "output_text", "text": "ok!"}]}
+            ]
+        },
         {"model": "other-policy"},
         {"routed_experts": [[1]]},
         {"note": "an extra field"},
@@ -206,8 +217,9 @@ def test_digest_independent_of_block_size(entry_fields):
     digests = {entry_digest(entry, size) for size in (1, 3, B, 64, DEFAULT_BLOCK_SIZE, 1000)}
     assert len(digests) == 1
     # The split between prompt and generation is part of the payload.
-    moved = make_entry(range(100, 100 + 3 * B + 4), generation=[6], log_probs=[-0.75],
-                       **entry_fields)
+    moved = make_entry(
+        range(100, 100 + 3 * B + 4), generation=[6], log_probs=[-0.75], **entry_fields
+    )
     assert entry_digest(moved, 5) != entry_digest(entry, 5)
 
 
@@ -228,21 +240,31 @@ def test_generation_shared_with_next_prompt_is_stored_once():
 
 def test_partial_block_extension_round_trips():
     history = list(range(10, 10 + B + 3))  # a full block, then a partial one
-    calls = [make_entry(history[: B + 1], generation=[1], log_probs=[-0.5],
-                        model_call_id="call-1")]
-    calls.append(make_entry([*calls[0].full_sequence, 2], generation=[3], log_probs=[-0.5],
-                            model_call_id="call-2"))
-    calls.append(make_entry([*calls[1].full_sequence, *range(40, 40 + B)],
-                            generation=[4], log_probs=[-0.5], model_call_id="call-3"))
+    calls = [make_entry(history[: B + 1], generation=[1], log_probs=[-0.5], model_call_id="call-1")]
+    calls.append(
+        make_entry(
+            [*calls[0].full_sequence, 2], generation=[3], log_probs=[-0.5], model_call_id="call-2"
+        )
+    )
+    calls.append(
+        make_entry(
+            [*calls[1].full_sequence, *range(40, 40 + B)],
+            generation=[4],
+            log_probs=[-0.5],
+            model_call_id="call-3",
+        )
+    )
     blocks, written = store_all(calls)
     # call-2 fills the partial block call-1 left: only the new ids are stored, after a
     # kind byte, the parent digest and the extended block's digest.
-    (name, stored), = written[1].blocks
+    ((name, stored),) = written[1].blocks
     assert stored[:1] == b"x" and len(stored) == 33 + 2 * 4
     assert written[1].tails[0][0] == written[0].tails[0][0]  # the same parent's tail moves on
     cache = {}
     assert [decode_entry(encode_entry(c, B).body, blocks, cache=cache) for c in calls] == calls
-    total_ids = sum(len(data) - 17 - (16 if data[:1] == b"x" else 0) for data in blocks.values()) // 4
+    total_ids = (
+        sum(len(data) - 17 - (16 if data[:1] == b"x" else 0) for data in blocks.values()) // 4
+    )
     assert total_ids == len(calls[-1].full_sequence)
 
 
@@ -257,9 +279,13 @@ def test_extension_needs_the_same_prefix():
 @settings(max_examples=40, deadline=None)
 @given(
     family=st.lists(
-        st.tuples(st.integers(0, 8), st.lists(st.integers(0, 2), max_size=7),
-                  st.lists(st.integers(0, 2), max_size=3)),
-        min_size=1, max_size=8,
+        st.tuples(
+            st.integers(0, 8),
+            st.lists(st.integers(0, 2), max_size=7),
+            st.lists(st.integers(0, 2), max_size=3),
+        ),
+        min_size=1,
+        max_size=8,
     ),
     block_size=st.integers(1, 5),
 )
@@ -269,14 +295,21 @@ def test_branching_family_round_trips(family, block_size):
     entries = []
     for index, (parent, extra, generation) in enumerate(family):
         base = entries[parent % len(entries)].full_sequence if entries and parent else []
-        entries.append(make_entry([*base, *extra], generation=generation,
-                                  log_probs=[-0.25] * len(generation),
-                                  model_call_id=f"call-{index}"))
+        entries.append(
+            make_entry(
+                [*base, *extra],
+                generation=generation,
+                log_probs=[-0.25] * len(generation),
+                model_call_id=f"call-{index}",
+            )
+        )
     blocks, _ = store_all(entries, block_size)
     cache = {}
     for entry in entries:
-        assert decode_entry(encode_entry(entry, block_size).body, blocks, cache=cache,
-                            trusted=True) == entry
+        assert (
+            decode_entry(encode_entry(entry, block_size).body, blocks, cache=cache, trusted=True)
+            == entry
+        )
 
 
 def growing_calls(turns: int, start: int = 3) -> list[TokenEntry]:
@@ -284,8 +317,14 @@ def growing_calls(turns: int, start: int = 3) -> list[TokenEntry]:
     calls, prompt = [], list(range(100, 100 + start))
     for turn in range(turns):
         generation = [1000 + 10 * turn + i for i in range(turn % 4 + 1)]
-        calls.append(make_entry(prompt, generation, [-0.1 * (i + 1) for i in range(len(generation))],
-                                model_call_id=f"call-{turn:02d}"))
+        calls.append(
+            make_entry(
+                prompt,
+                generation,
+                [-0.1 * (i + 1) for i in range(len(generation))],
+                model_call_id=f"call-{turn:02d}",
+            )
+        )
         prompt = prompt + generation + [7] * (turn % 3 + 2)
     return calls
 

@@ -50,7 +50,10 @@ def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
         )
     proc = subprocess.run(
         [*command, "-f", str(COMPOSE_FILE), "config"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
         env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr
@@ -140,13 +143,23 @@ def healthcheck_code(compose: dict, service: str) -> str:
     return test[3]
 
 
-def test_worker_healthcheck_passes_against_a_real_worker(compose: dict, redis_server_factory) -> None:
+def test_worker_healthcheck_passes_against_a_real_worker(
+    compose: dict, redis_server_factory
+) -> None:
     server = redis_server_factory()
     code = healthcheck_code(compose, "worker").replace("redis://redis:6379/0", server.url)
     check = [sys.executable, "-c", code]
     # No worker yet: no consumer group, so the check fails.
     assert subprocess.run(check, capture_output=True, timeout=30).returncode != 0
-    worker = [sys.executable, "-m", "transports.worker_cli", "--url", server.url, "--block-ms", "200"]
+    worker = [
+        sys.executable,
+        "-m",
+        "transports.worker_cli",
+        "--url",
+        server.url,
+        "--block-ms",
+        "200",
+    ]
     with run_process(worker, env={"PYTHONPATH": str(ROOT)}):
         deadline = time.monotonic() + 30
         while subprocess.run(check, capture_output=True, timeout=30).returncode != 0:
@@ -157,8 +170,18 @@ def test_worker_healthcheck_passes_against_a_real_worker(compose: dict, redis_se
 def test_engine_healthcheck_passes_against_a_real_engine(compose: dict) -> None:
     port = free_port()
     code = healthcheck_code(compose, "engine").replace("127.0.0.1:8001", f"127.0.0.1:{port}")
-    engine = [sys.executable, "-m", "api.engine.cli", "--host", "127.0.0.1", "--port", str(port),
-              "--policy", "random"]
-    with run_process(engine, ready_url=f"http://127.0.0.1:{port}/health",
-                     env={"PYTHONPATH": str(ROOT)}):
+    engine = [
+        sys.executable,
+        "-m",
+        "api.engine.cli",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "random",
+    ]
+    with run_process(
+        engine, ready_url=f"http://127.0.0.1:{port}/health", env={"PYTHONPATH": str(ROOT)}
+    ):
         assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0

@@ -80,8 +80,12 @@ def test_sources_mapping_dictconfig_and_yaml_text_agree(tmp_path):
     block = {"token_id_capture": {"enabled": True, "dir": "/tmp/caps", "all_agents": True}}
     from_mapping = load_capture_config(block)
     from_dictconfig = load_capture_config(OmegaConf.create(block))
-    from_text = load_capture_config("token_id_capture: {enabled: true, dir: /tmp/caps, all_agents: true}")
-    from_file = load_capture_config(write_yaml(tmp_path, OmegaConf.to_yaml(OmegaConf.create(block))))
+    from_text = load_capture_config(
+        "token_id_capture: {enabled: true, dir: /tmp/caps, all_agents: true}"
+    )
+    from_file = load_capture_config(
+        write_yaml(tmp_path, OmegaConf.to_yaml(OmegaConf.create(block)))
+    )
     assert from_mapping == from_dictconfig == from_text == from_file
     assert from_mapping.all_agents is True
 
@@ -168,7 +172,9 @@ token_id_capture: {enabled: false}
 
 def test_unknown_key_is_named():
     with pytest.raises(ConfigError) as raised:
-        load_capture_config("env: {nemo_gym: {token_id_capture: {enabled: true, dir: /x, dri: /y}}}")
+        load_capture_config(
+            "env: {nemo_gym: {token_id_capture: {enabled: true, dir: /x, dri: /y}}}"
+        )
     message = str(raised.value)
     assert "env.nemo_gym.token_id_capture.dri" in message
     assert "unknown key" in message

@@ -230,8 +230,15 @@ async def test_void_after_capture_changes_nothing(store):
 
 
 async def test_a_call_after_freeze_is_not_captured_and_changes_no_snapshot(store):
-    await store.put(TokenEntry(rollout_id="9-4", model_call_id="a", prompt_token_ids=[1],
-                               generation_token_ids=[2], generation_log_probs=[-0.1]))
+    await store.put(
+        TokenEntry(
+            rollout_id="9-4",
+            model_call_id="a",
+            prompt_token_ids=[1],
+            generation_token_ids=[2],
+            generation_log_probs=[-0.1],
+        )
+    )
     snapshot = await store.freeze("9-4")
     async with capture_call("9-4", store) as call:
         await begin_call()  # a background call that came after the harness finished

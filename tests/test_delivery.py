@@ -19,9 +19,17 @@ from capture.projection import flat_ids_and_mask, is_contiguous
 from tests.test_builder import chain_entries, entry, fresh, full, message
 
 METRIC_KEYS = {
-    "n_calls", "chains", "roots", "quarantined_calls", "quarantined_fraction",
-    "delivered_fraction", "generated_tokens_captured", "generated_tokens_delivered",
-    "empty_generation_calls", "capture_incomplete", "error",
+    "n_calls",
+    "chains",
+    "roots",
+    "quarantined_calls",
+    "quarantined_fraction",
+    "delivered_fraction",
+    "generated_tokens_captured",
+    "generated_tokens_delivered",
+    "empty_generation_calls",
+    "capture_incomplete",
+    "error",
 }
 
 
@@ -151,8 +159,9 @@ async def test_unresolved_retry_and_ambiguous_delivered_parent_mask(store):
     assert record[METRICS_KEY]["unresolved_retries"] == 1
 
     calls = chain_entries(2, rollout_id="r-twin")
-    twin = entry("twin", calls[1].prompt_token_ids, calls[1].generation_token_ids,
-                 rollout_id="r-twin")
+    twin = entry(
+        "twin", calls[1].prompt_token_ids, calls[1].generation_token_ids, rollout_id="r-twin"
+    )
     child = entry("c002", full(calls[1]) + fresh(1), fresh(1), text="end", rollout_id="r-twin")
     await record_calls(store, [*calls, twin, child])
     record = run_record("r-twin", "end")
@@ -189,8 +198,9 @@ async def test_malformed_or_missing_rollout_id_masks_without_touching_the_source
 async def test_rollout_id_from_indices_and_the_explicit_argument(store):
     calls = chain_entries(2, rollout_id="7-3-a1")
     await record_calls(store, calls)
-    record = run_record(None, "c says 1", _ng_task_index=7, _ng_rollout_index=3,
-                        _ng_attempt_index=1)
+    record = run_record(
+        None, "c says 1", _ng_task_index=7, _ng_rollout_index=3, _ng_attempt_index=1
+    )
     built = await finalize_rollout_token_capture(record, store)
     assert built.ok and built.rollout_id == "7-3-a1"
 
@@ -268,8 +278,11 @@ async def test_finalize_never_raises():
     assert record["mask_sample"] is True and record[METRICS_KEY]["capture_incomplete"] is None
     assert await retire_rollout_token_capture("r-down", source, built) is False
     assert source.drops == 0
-    for odd_record, odd_source in (("not a record", source), (None, source),
-                                   (run_record("r", "x"), object())):
+    for odd_record, odd_source in (
+        ("not a record", source),
+        (None, source),
+        (run_record("r", "x"), object()),
+    ):
         built = await finalize_rollout_token_capture(odd_record, odd_source)
         assert built.masked and built.error
 

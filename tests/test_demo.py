@@ -17,8 +17,21 @@ import pytest
 
 def run_demo(*args: str) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, "-m", "api.cli", "demo", "--json", "--rollouts", "6", "--seed", "7", *args],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "api.cli",
+            "demo",
+            "--json",
+            "--rollouts",
+            "6",
+            "--seed",
+            "7",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout)

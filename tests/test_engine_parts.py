@@ -31,10 +31,20 @@ from api.engine.template import (
 from api.engine.tokenizer import StreamDecoder, load_tokenizer
 from api.engine.tool_parser import parse_reply
 
-TOOLS = [{"type": "function", "function": {
-    "name": "Bash", "description": "Run a command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
-                   "required": ["command"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "Bash",
+            "description": "Run a command",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,7 @@ def test_training_reproduces_the_shipped_tokenizer():
 
 
 def test_encode_decode_round_trip_and_stream_decoding(tok):
-    text = "Grüße, 世界! naïve café — emoji 🎉 and code: {\"a\": [1, 2]}"
+    text = 'Grüße, 世界! naïve café — emoji 🎉 and code: {"a": [1, 2]}'
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     decoder = StreamDecoder(tok)
@@ -83,18 +93,32 @@ def test_noncanonical_splits_keep_bytes_but_change_ids(tok):
 def test_template_renders_chatml_tools_think_and_tool_results():
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "run "}, {"type": "text", "text": "ls"}]},
-        {"role": "assistant", "content": "Sure.", "reasoning_content": "use bash",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "Bash", "arguments": '{"command":"ls"}'}}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "run "}, {"type": "text", "text": "ls"}],
+        },
+        {
+            "role": "assistant",
+            "content": "Sure.",
+            "reasoning_content": "use bash",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "Bash", "arguments": '{"command":"ls"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
         {"role": "system", "content": "mid-conversation note"},
     ]
     text = render(messages, tools=TOOLS)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert json.dumps(TOOLS[0]) in text
-    assert ("<|im_start|>assistant\n<think>\nuse bash\n</think>\n\nSure.\n<tool_call>\n"
-            '{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>\n') in text
+    assert (
+        "<|im_start|>assistant\n<think>\nuse bash\n</think>\n\nSure.\n<tool_call>\n"
+        '{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>\n'
+    ) in text
     assert "<|im_start|>tool\n<tool_response>\na.txt\n</tool_response><|im_end|>\n" in text
     assert "<|im_start|>system\nmid-conversation note<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
@@ -103,34 +127,48 @@ def test_template_renders_chatml_tools_think_and_tool_results():
     assert "<think>" not in stripped and "Sure.\n<tool_call>" in stripped
     assert tools_from_prompt(text) == TOOLS
     assert [m["role"] for m in messages_from_prompt(text)] == [
-        "system", "user", "assistant", "tool", "system"]
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "system",
+    ]
 
 
-@pytest.mark.parametrize("reply", [
-    Reply(text="Hello there."),
-    Reply(think="plan it", text="Running it.", tool_calls=(("Bash", {"command": "ls -la"}),)),
-    Reply(tool_calls=(("Bash", {"command": "pwd"}), ("Bash", {"command": "echo é"}))),
-    Reply(think="only thinking", text="Answer."),
-])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply(text="Hello there."),
+        Reply(think="plan it", text="Running it.", tool_calls=(("Bash", {"command": "ls -la"}),)),
+        Reply(tool_calls=(("Bash", {"command": "pwd"}), ("Bash", {"command": "echo é"}))),
+        Reply(think="only thinking", text="Answer."),
+    ],
+)
 def test_parse_then_render_gives_back_the_generated_text(reply):
     text = reply_text(reply, TEMPLATE_SEPARATORS)
     parsed = parse_reply(text)
-    assistant = {"role": "assistant", "content": parsed.content,
-                 "reasoning_content": parsed.reasoning,
-                 "tool_calls": [c.as_openai() for c in parsed.tool_calls]}
+    assistant = {
+        "role": "assistant",
+        "content": parsed.content,
+        "reasoning_content": parsed.reasoning,
+        "tool_calls": [c.as_openai() for c in parsed.tool_calls],
+    }
     rendered = render([assistant], add_generation_prompt=False)
     assert rendered == f"<|im_start|>assistant\n{text}<|im_end|>\n"
     assert all(c.id.startswith("call_") and len(c.id) == 29 for c in parsed.tool_calls)
     compact = reply_text(reply, COMPACT_SEPARATORS)
     if reply.tool_calls:
         assert compact != text and [c.arguments for c in parse_reply(compact).tool_calls] == [
-            c.arguments for c in parsed.tool_calls]
+            c.arguments for c in parsed.tool_calls
+        ]
 
 
 def test_parser_leaves_broken_tool_calls_as_content():
     parsed = parse_reply('Hi\n<tool_call>\n{"name": "Bash", "arguments": {oops}\n</tool_call>')
     assert parsed.tool_calls == [] and parsed.content.startswith("Hi\n<tool_call>")
-    assert parse_reply('<tool_call>\n{"name": "X"}\n</tool_call>', parse_tools=False).tool_calls == []
+    assert (
+        parse_reply('<tool_call>\n{"name": "X"}\n</tool_call>', parse_tools=False).tool_calls == []
+    )
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 1.0), (1.0, 0.8), (0.3, 0.5)])
@@ -172,20 +210,31 @@ def test_pseudo_model_samples_from_the_distribution_it_reports(temperature, top_
 
 
 def test_scripted_policy_by_turn_index_regex_and_default():
-    policy = ScriptedPolicy({
-        "entries": [
-            {"match": "(?i)title", "text": "A title"},
-            {"turn": 0, "text": "first", "tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}}]},
-            {"turn": 1, "match": "needle", "text": "second with needle"},
-        ],
-        "default": {"text": "fallback"},
-    })
+    policy = ScriptedPolicy(
+        {
+            "entries": [
+                {"match": "(?i)title", "text": "A title"},
+                {
+                    "turn": 0,
+                    "text": "first",
+                    "tool_calls": [{"name": "Bash", "arguments": {"command": "ls"}}],
+                },
+                {"turn": 1, "match": "needle", "text": "second with needle"},
+            ],
+            "default": {"text": "fallback"},
+        }
+    )
     rng = random.Random(0)
     user = {"role": "user", "content": "hello"}
     assistant = {"role": "assistant", "content": "x"}
-    assert policy.reply(Conversation([user], TOOLS), rng).tool_calls == (("Bash", {"command": "ls"}),)
+    assert policy.reply(Conversation([user], TOOLS), rng).tool_calls == (
+        ("Bash", {"command": "ls"}),
+    )
     assert policy.reply(Conversation([user], []), rng).tool_calls == (), "no tools offered"
-    assert policy.reply(Conversation([{"role": "user", "content": "Write a TITLE"}]), rng).text == "A title"
+    assert (
+        policy.reply(Conversation([{"role": "user", "content": "Write a TITLE"}]), rng).text
+        == "A title"
+    )
     turn1 = [user, assistant, {"role": "tool", "content": "needle here"}]
     assert policy.reply(Conversation(turn1, TOOLS), rng).text == "second with needle"
     turn1[-1] = {"role": "tool", "content": "nothing"}
@@ -200,7 +249,10 @@ def test_random_policy_is_seeded():
     assert len({repr(r) for r in first}) > 1
     assert any(r.sampled_words for r in first), "the engine samples the text"
     assert any(r.tool_calls for r in first) and all(
-        name == "Bash" and isinstance(args["command"], str) for r in first for name, args in r.tool_calls)
+        name == "Bash" and isinstance(args["command"], str)
+        for r in first
+        for name, args in r.tool_calls
+    )
 
 
 def test_generation_ends_with_im_end_and_stops_like_vllm():

@@ -14,38 +14,65 @@ import pytest
 from api.engine import EngineSettings, create_app
 from tests.servers import serve_app
 
-TOOLS = [{"type": "function", "function": {
-    "name": "Bash", "description": "Run a shell command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"},
-                                                   "description": {"type": "string"}},
-                   "required": ["command"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "Bash",
+            "description": "Run a shell command",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}, "description": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
 
 
 def tool_loop(base: str, *, seed: int = 0, max_turns: int = 5) -> list[dict]:
     """Run a tool loop with the openai SDK; return each turn's ids and message."""
-    messages: list[dict] = [{"role": "system", "content": "You run commands."},
-                            {"role": "user", "content": "run echo hello"}]
+    messages: list[dict] = [
+        {"role": "system", "content": "You run commands."},
+        {"role": "user", "content": "run echo hello"},
+    ]
     turns = []
     with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
         for turn in range(max_turns):
             reply = client.chat.completions.create(
-                model="tokcap-engine", messages=messages, tools=TOOLS, seed=seed * 100 + turn,
+                model="tokcap-engine",
+                messages=messages,
+                tools=TOOLS,
+                seed=seed * 100 + turn,
                 extra_body={"return_token_ids": True},
             )
             choice = reply.choices[0]
             message = choice.message
-            turns.append({"prompt": reply.model_extra["prompt_token_ids"],
-                          "generated": choice.model_extra["token_ids"], "message": message})
-            assistant = {"role": "assistant", "content": message.content,
-                         "reasoning_content": message.model_extra.get("reasoning_content")}
+            turns.append(
+                {
+                    "prompt": reply.model_extra["prompt_token_ids"],
+                    "generated": choice.model_extra["token_ids"],
+                    "message": message,
+                }
+            )
+            assistant = {
+                "role": "assistant",
+                "content": message.content,
+                "reasoning_content": message.model_extra.get("reasoning_content"),
+            }
             if message.tool_calls:
                 assistant["tool_calls"] = [tc.model_dump() for tc in message.tool_calls]
             messages.append(assistant)
             if not message.tool_calls:
                 break
             for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": f"output of {call.function.arguments}"})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "content": f"output of {call.function.arguments}",
+                    }
+                )
             messages.append({"role": "system", "content": f"reminder {turn}"})
     return turns
 
@@ -53,7 +80,8 @@ def tool_loop(base: str, *, seed: int = 0, max_turns: int = 5) -> list[dict]:
 def extends(turns: list[dict]) -> list[bool]:
     """Per turn k>0: does prompt(k) start with prompt(k-1) + generated(k-1)?"""
     return [
-        nxt["prompt"][: len(cur["prompt"]) + len(cur["generated"])] == cur["prompt"] + cur["generated"]
+        nxt["prompt"][: len(cur["prompt"]) + len(cur["generated"])]
+        == cur["prompt"] + cur["generated"]
         for cur, nxt in zip(turns, turns[1:], strict=False)
     ]
 

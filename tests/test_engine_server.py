@@ -14,11 +14,24 @@ import pytest
 from api.engine import EngineSettings, create_app
 from tests.servers import serve_app
 
-TOOLS = [{"type": "function", "function": {
-    "name": "Bash", "description": "Run a shell command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
-                   "required": ["command"]}}}]
-USER = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "run echo hello"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "Bash",
+            "description": "Run a shell command",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
+USER = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "run echo hello"},
+]
 EXTRAS = {"return_token_ids": True, "return_tokens_as_token_ids": True}
 
 
@@ -30,8 +43,11 @@ def base():
 
 @pytest.fixture(scope="module")
 def random_base():
-    settings = EngineSettings(policy="random", seed=7,
-                              generation_config={"temperature": 0.7, "top_p": 0.9, "max_tokens": 6})
+    settings = EngineSettings(
+        policy="random",
+        seed=7,
+        generation_config={"temperature": 0.7, "top_p": 0.9, "max_tokens": 6},
+    )
     with serve_app(create_app(settings)) as url:
         yield url
 
@@ -50,7 +66,7 @@ def sse_chunks(text: str) -> list[dict]:
     events = [e for e in text.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
 
 
 def test_health_and_models(base, client):
@@ -63,7 +79,12 @@ def test_health_and_models(base, client):
 
 def test_chat_completion_shape_with_token_ids_and_logprobs(base, client):
     reply = client.chat.completions.create(
-        model="tiny", messages=USER, tools=TOOLS, logprobs=True, top_logprobs=2, seed=3,
+        model="tiny",
+        messages=USER,
+        tools=TOOLS,
+        logprobs=True,
+        top_logprobs=2,
+        seed=3,
         extra_body=EXTRAS,
     )
     choice = reply.choices[0]
@@ -72,7 +93,10 @@ def test_chat_completion_shape_with_token_ids_and_logprobs(base, client):
     [call] = choice.message.tool_calls
     assert call.id.startswith("call_") and call.type == "function"
     assert call.function.name == "Bash"
-    assert json.loads(call.function.arguments) == {"command": "echo hello", "description": "Print hello"}
+    assert json.loads(call.function.arguments) == {
+        "command": "echo hello",
+        "description": "Print hello",
+    }
     assert choice.message.content == "I'll run that command."
     token_ids = choice.model_extra["token_ids"]
     prompt_ids = reply.model_extra["prompt_token_ids"]
@@ -88,8 +112,18 @@ def test_chat_completion_shape_with_token_ids_and_logprobs(base, client):
     assert raw["prompt_token_ids"] is None and raw["choices"][0]["token_ids"] is None
     assert raw["choices"][0]["logprobs"] is None and raw["choices"][0]["stop_reason"] is None
     assert raw["usage"]["total_tokens"] == raw["usage"]["prompt_tokens"] + len(token_ids)
-    assert set(raw) >= {"id", "object", "created", "model", "choices", "usage", "prompt_logprobs",
-                        "prompt_token_ids", "kv_transfer_params", "system_fingerprint"}
+    assert set(raw) >= {
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "usage",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "kv_transfer_params",
+        "system_fingerprint",
+    }
 
 
 def test_prompt_ids_equal_tokenize_messages_form(base):
@@ -98,8 +132,9 @@ def test_prompt_ids_equal_tokenize_messages_form(base):
     tokenized = post(base, "/tokenize", {"messages": USER, "tools": TOOLS}).json()
     assert tokenized["tokens"] == reply["prompt_token_ids"]
     assert tokenized["count"] == len(tokenized["tokens"]) and tokenized["max_model_len"] == 131072
-    no_gen = post(base, "/tokenize", {"messages": USER, "tools": TOOLS,
-                                      "add_generation_prompt": False}).json()["tokens"]
+    no_gen = post(
+        base, "/tokenize", {"messages": USER, "tools": TOOLS, "add_generation_prompt": False}
+    ).json()["tokens"]
     assert tokenized["tokens"][: len(no_gen)] == no_gen and len(no_gen) < tokenized["count"]
     text = post(base, "/detokenize", {"tokens": tokenized["tokens"]}).json()["prompt"]
     assert text.endswith("<|im_start|>assistant\n") and "# Tools" in text
@@ -110,8 +145,11 @@ def test_prompt_ids_equal_tokenize_messages_form(base):
 def test_stream_chunks_carry_prompt_ids_first_and_token_ids_each(base, client):
     body = {"messages": USER, "tools": TOOLS, "seed": 5, "logprobs": True, **EXTRAS}
     full = post(base, "/v1/chat/completions", body).json()
-    response = post(base, "/v1/chat/completions",
-                    {**body, "stream": True, "stream_options": {"include_usage": True}})
+    response = post(
+        base,
+        "/v1/chat/completions",
+        {**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert response.headers["content-type"].startswith("text/event-stream")
     chunks = sse_chunks(response.text)
     first, *middle, usage = chunks
@@ -134,27 +172,39 @@ def test_stream_chunks_carry_prompt_ids_first_and_token_ids_each(base, client):
     assert [c["choices"][0]["finish_reason"] for c in middle[:-1]] == [None] * (len(middle) - 1)
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(ids)
     # The SDK reads the same stream.
-    stream = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, seed=5,
-                                            stream=True, extra_body=EXTRAS)
-    sdk_ids = [t for chunk in stream for c in chunk.choices for t in (c.model_extra.get("token_ids") or [])]
+    stream = client.chat.completions.create(
+        model="tiny", messages=USER, tools=TOOLS, seed=5, stream=True, extra_body=EXTRAS
+    )
+    sdk_ids = [
+        t for chunk in stream for c in chunk.choices for t in (c.model_extra.get("token_ids") or [])
+    ]
     assert sdk_ids == ids
 
 
 def test_seed_determinism_and_generation_config_defaults(random_base):
-    body = {"messages": USER, "tools": TOOLS, "seed": 11, "logprobs": True, **EXTRAS,
-            "max_tokens": 40}
+    body = {
+        "messages": USER,
+        "tools": TOOLS,
+        "seed": 11,
+        "logprobs": True,
+        **EXTRAS,
+        "max_tokens": 40,
+    }
     one = post(random_base, "/v1/chat/completions", body).json()["choices"][0]
     two = post(random_base, "/v1/chat/completions", body).json()["choices"][0]
     assert one["token_ids"] == two["token_ids"] and one["logprobs"] == two["logprobs"]
-    others = [post(random_base, "/v1/chat/completions", {**body, "seed": s}).json()["choices"][0]
-              for s in (12, 13, 14)]
+    others = [
+        post(random_base, "/v1/chat/completions", {**body, "seed": s}).json()["choices"][0]
+        for s in (12, 13, 14)
+    ]
     assert any(o["token_ids"] != one["token_ids"] for o in others)
     # Omitted max_tokens/temperature/top_p come from the generation config (max_tokens 6).
     short = post(random_base, "/v1/chat/completions", {"messages": USER, **EXTRAS}).json()
     assert short["choices"][0]["finish_reason"] == "length"
     assert len(short["choices"][0]["token_ids"]) == 6
-    hot = post(random_base, "/v1/chat/completions",
-               {**body, "temperature": 1.0, "top_p": 1.0}).json()["choices"][0]
+    hot = post(
+        random_base, "/v1/chat/completions", {**body, "temperature": 1.0, "top_p": 1.0}
+    ).json()["choices"][0]
     assert hot != one, "temperature/top_p change the draws or their log-probs"
 
 
@@ -177,8 +227,13 @@ def test_n_choices_non_stream_and_stream(base):
     assert reply["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in reply["choices"])
     chunks = sse_chunks(post(base, "/v1/chat/completions", {**body, "stream": True}).text)
     for index in (0, 1):
-        ids = [t for c in chunks for ch in c["choices"] if ch["index"] == index
-               for t in (ch.get("token_ids") or [])]
+        ids = [
+            t
+            for c in chunks
+            for ch in c["choices"]
+            if ch["index"] == index
+            for t in (ch.get("token_ids") or [])
+        ]
         assert ids == reply["choices"][index]["token_ids"]
 
 
@@ -192,22 +247,34 @@ def test_tool_choice_none_and_no_tools_give_plain_text(base):
 
 def test_completions_with_token_id_and_string_prompts(base, client):
     prompt_ids = post(base, "/tokenize", {"messages": USER, "tools": TOOLS}).json()["tokens"]
-    reply = post(base, "/v1/completions", {"prompt": prompt_ids, "logprobs": 1, "seed": 2,
-                                           **EXTRAS}).json()
+    reply = post(
+        base, "/v1/completions", {"prompt": prompt_ids, "logprobs": 1, "seed": 2, **EXTRAS}
+    ).json()
     [choice] = reply["choices"]
     assert reply["object"] == "text_completion" and reply["id"].startswith("cmpl-")
     assert choice["prompt_token_ids"] == prompt_ids
-    assert choice["token_ids"][-1] == post(base, "/tokenize", {"prompt": "<|im_end|>"}).json()["tokens"][0]
+    assert (
+        choice["token_ids"][-1]
+        == post(base, "/tokenize", {"prompt": "<|im_end|>"}).json()["tokens"][0]
+    )
     assert "<tool_call>" in choice["text"], "the same policy turn as chat, unparsed"
     logprobs = choice["logprobs"]
     assert logprobs["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
-    assert len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == len(choice["token_ids"])
-    assert all(list(d)[0] == tok for d, tok in zip(logprobs["top_logprobs"], logprobs["tokens"], strict=True))
+    assert (
+        len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == len(choice["token_ids"])
+    )
+    assert all(
+        list(d)[0] == tok
+        for d, tok in zip(logprobs["top_logprobs"], logprobs["tokens"], strict=True)
+    )
     text = post(base, "/detokenize", {"tokens": prompt_ids}).json()["prompt"]
     by_text = client.completions.create(model="tiny", prompt=text, seed=2, extra_body=EXTRAS)
     assert by_text.choices[0].model_extra["token_ids"] == choice["token_ids"]
-    chunks = sse_chunks(post(base, "/v1/completions", {"prompt": prompt_ids, "seed": 2,
-                                                        "stream": True, **EXTRAS}).text)
+    chunks = sse_chunks(
+        post(
+            base, "/v1/completions", {"prompt": prompt_ids, "seed": 2, "stream": True, **EXTRAS}
+        ).text
+    )
     assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt_ids
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
@@ -229,14 +296,22 @@ def test_ground_truth_equals_what_was_returned(base):
 
 
 def test_errors_use_vllm_error_body(base):
-    for body in ({"messages": []}, {"messages": USER, "top_logprobs": 2},
-                 {"messages": USER, "max_tokens": 200_000}, {"messages": USER, "stream_options": {}}):
+    for body in (
+        {"messages": []},
+        {"messages": USER, "top_logprobs": 2},
+        {"messages": USER, "max_tokens": 200_000},
+        {"messages": USER, "stream_options": {}},
+    ):
         response = post(base, "/v1/chat/completions", body)
         assert response.status_code == 400, body
         error = response.json()["error"]
         assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
-    assert "maximum context length" in post(
-        base, "/v1/chat/completions", {"messages": USER, "max_tokens": 200_000}).json()["error"]["message"]
+    assert (
+        "maximum context length"
+        in post(base, "/v1/chat/completions", {"messages": USER, "max_tokens": 200_000}).json()[
+            "error"
+        ]["message"]
+    )
     assert post(base, "/detokenize", {"tokens": [10**6]}).status_code == 400
     assert post(base, "/tokenize", {"prompt": "a", "messages": USER}).status_code == 400
 
@@ -256,13 +331,23 @@ def legacy_base(tmp_path_factory):
 
 
 def test_scripted_errors_answer_in_vllm_error_body(legacy_base):
-    response = post(legacy_base, "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": "please crash"}]})
+    response = post(
+        legacy_base,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "please crash"}]},
+    )
     assert response.status_code == 503
-    assert response.json()["error"] == {"message": "engine overloaded",
-                                        "type": "ServiceUnavailable", "param": None, "code": 503}
-    boom = post(legacy_base, "/v1/chat/completions",
-                {"messages": [{"role": "user", "content": "boom"}], "stream": True})
+    assert response.json()["error"] == {
+        "message": "engine overloaded",
+        "type": "ServiceUnavailable",
+        "param": None,
+        "code": 503,
+    }
+    boom = post(
+        legacy_base,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "boom"}], "stream": True},
+    )
     assert boom.status_code == 500 and boom.json()["error"]["type"] == "InternalServerError"
     assert httpx.get(f"{legacy_base}/tokcap/ground_truth").json() == [], "nothing was sampled"
 
@@ -278,7 +363,8 @@ def test_without_token_ids_answers_like_older_vllm(legacy_base):
     tokenized = post(legacy_base, "/tokenize", {"messages": body["messages"]}).json()["tokens"]
     assert tokenized == truth["prompt_token_ids"], "/tokenize gives the prompt ids instead"
     chunks = sse_chunks(post(legacy_base, "/v1/chat/completions", {**body, "stream": True}).text)
-    assert not any("prompt_token_ids" in c or any("token_ids" in ch for ch in c["choices"])
-                   for c in chunks)
+    assert not any(
+        "prompt_token_ids" in c or any("token_ids" in ch for ch in c["choices"]) for c in chunks
+    )
     completion = post(legacy_base, "/v1/completions", {"prompt": tokenized, **EXTRAS}).json()
     assert "token_ids" not in completion["choices"][0]

@@ -121,7 +121,9 @@ async def test_several_writer_processes(tmp_path):
     assert (await store.inspect("shared"))["version"] == len(want) + 1
     # Writers raced to store the shared prefix; each block is still stored once.
     records, _ = parse((directory / "shared.log").read_bytes())
-    names = [block[0] for _, record in records if record["k"] == "put" for block in record["blocks"]]
+    names = [
+        block[0] for _, record in records if record["k"] == "put" for block in record["blocks"]
+    ]
     assert len(names) == len(set(names))
 
 
@@ -277,7 +279,10 @@ async def test_state_survives_reopening(tmp_path):
     reopened = TokenCaptureStore(directory)
     again = await reopened.freeze("kept")
     assert (again.snapshot_id, again.version, again.incomplete) == (
-        snapshot.snapshot_id, snapshot.version, True)
+        snapshot.snapshot_id,
+        snapshot.version,
+        True,
+    )
     assert await reopened.drop("kept", snapshot_id=again.snapshot_id, version=again.version)
     await reopened.close()
     third = TokenCaptureStore(directory)

@@ -33,12 +33,32 @@ SYSTEM_AND_USER = list(range(1, 51))
 TOOL_OUTPUTS = [list(range(200, 220)), list(range(220, 230))]
 # What each turn samples, and the Responses item it is served as.
 TURNS = [
-    (list(range(100, 110)), {"type": "function_call", "call_id": "fc_1", "name": "bash",
-                             "arguments": '{"command": "ls"}'}),
-    (list(range(110, 120)), {"type": "function_call", "call_id": "fc_2", "name": "bash",
-                             "arguments": '{"command": "cat notes.txt"}'}),
-    (list(range(120, 128)), {"type": "message", "role": "assistant",
-                             "content": [{"type": "output_text", "text": "All done."}]}),
+    (
+        list(range(100, 110)),
+        {
+            "type": "function_call",
+            "call_id": "fc_1",
+            "name": "bash",
+            "arguments": '{"command": "ls"}',
+        },
+    ),
+    (
+        list(range(110, 120)),
+        {
+            "type": "function_call",
+            "call_id": "fc_2",
+            "name": "bash",
+            "arguments": '{"command": "cat notes.txt"}',
+        },
+    ),
+    (
+        list(range(120, 128)),
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "All done."}],
+        },
+    ),
 ]
 
 
@@ -91,14 +111,25 @@ def harness_record(body):
         "response": {
             "id": "resp_harness",
             "output": [
-                {"type": "function_call", "call_id": "fc_1", "name": "bash",
-                 "arguments": '{"command":"ls"}'},
+                {
+                    "type": "function_call",
+                    "call_id": "fc_1",
+                    "name": "bash",
+                    "arguments": '{"command":"ls"}',
+                },
                 {"type": "function_call_output", "call_id": "fc_1", "output": "notes.txt"},
-                {"type": "function_call", "call_id": "fc_2", "name": "bash",
-                 "arguments": '{"command":"cat notes.txt"}'},
+                {
+                    "type": "function_call",
+                    "call_id": "fc_2",
+                    "name": "bash",
+                    "arguments": '{"command":"cat notes.txt"}',
+                },
                 {"type": "function_call_output", "call_id": "fc_2", "output": "hello"},
-                {"type": "message", "role": "assistant",
-                 "content": [{"type": "output_text", "text": "All done."}]},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "All done."}],
+                },
             ],
         },
     }
@@ -183,8 +214,13 @@ async def test_three_turn_rollout_from_config_to_tombstone(tmp_path, monkeypatch
     reopened = config.build_sink()
     with pytest.raises(RolloutFrozenError):
         await reopened.put(
-            {"rollout_id": rollout_id, "model_call_id": "late", "prompt_token_ids": [1],
-             "generation_token_ids": [2], "generation_log_probs": [-0.1]}
+            {
+                "rollout_id": rollout_id,
+                "model_call_id": "late",
+                "prompt_token_ids": [1],
+                "generation_token_ids": [2],
+                "generation_log_probs": [-0.1],
+            }
         )
     with pytest.raises(RolloutFrozenError):
         await reopened.begin_call(rollout_id, "late-2")

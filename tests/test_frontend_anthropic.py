@@ -33,7 +33,13 @@ from tests.test_frontend_support import (
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "claude_code_messages_request.json"
-SHARED_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "claude-code" / "messages_request.json"
+SHARED_FIXTURE = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "fixtures"
+    / "claude-code"
+    / "messages_request.json"
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,13 @@ def tool_loop(sdk: anthropic.Anthropic, stream: bool, max_turns: int = 6) -> tup
         {"type": "text", "text": "Use the tools.", "cache_control": {"type": "ephemeral"}},
     ]
     for _ in range(max_turns):
-        kwargs = dict(model="claude-sonnet-4-5", max_tokens=64000 if stream else 16000, system=system, messages=messages, tools=[BASH_TOOL])
+        kwargs = dict(
+            model="claude-sonnet-4-5",
+            max_tokens=64000 if stream else 16000,
+            system=system,
+            messages=messages,
+            tools=[BASH_TOOL],
+        )
         if stream:
             with sdk.messages.stream(**kwargs) as events:
                 kinds = [event.type for event in events]
@@ -73,7 +85,11 @@ def tool_loop(sdk: anthropic.Anthropic, stream: bool, max_turns: int = 6) -> tup
             assert not uses
             return messages, reply
         results = [
-            {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": f"ran {use.input['command']}"}]}
+            {
+                "type": "tool_result",
+                "tool_use_id": use.id,
+                "content": [{"type": "text", "text": f"ran {use.input['command']}"}],
+            }
             for use in uses
         ]
         messages.append({"role": "user", "content": results})
@@ -101,7 +117,12 @@ def test_tool_loop_is_captured_as_one_chain(servers, stream: bool) -> None:
 
 
 def test_replies_carry_no_token_arrays(servers) -> None:
-    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], "tools": [BASH_TOOL]}
+    body = {
+        "model": "m",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [BASH_TOOL],
+    }
     base = servers.base("anthropic-no-arrays")
     plain = httpx.post(base + "/v1/messages", json=body, timeout=30)
     streamed = httpx.post(base + "/v1/messages", json={**body, "stream": True}, timeout=30)
@@ -115,10 +136,14 @@ def test_replies_carry_no_token_arrays(servers) -> None:
 def test_sampling_overrides_replace_what_the_harness_sent(tmp_path: Path) -> None:
     overrides = {"max_tokens": 3, "temperature": 0.5}
     with engine_server() as engine:
-        with front_end(file_store_settings(engine, tmp_path, sampling_overrides=overrides)) as front:
+        with front_end(
+            file_store_settings(engine, tmp_path, sampling_overrides=overrides)
+        ) as front:
             base = f"{front}/ng-rollout/overrides-1/training-token-capture"
             reply = client(base).messages.create(
-                model="m", max_tokens=16000, extra_body={"temperature": 1.0},
+                model="m",
+                max_tokens=16000,
+                extra_body={"temperature": 1.0},
                 messages=[{"role": "user", "content": "say something long"}],
             )
             truth = httpx.get(engine + "/tokcap/ground_truth").json()
@@ -134,7 +159,12 @@ def test_sampling_overrides_replace_what_the_harness_sent(tmp_path: Path) -> Non
 def test_count_tokens_equals_the_captured_prompt_length(servers) -> None:
     rollout_id = "anthropic-count"
     sdk = client(servers.base(rollout_id))
-    request = dict(model="m", system="Be brief.", messages=[{"role": "user", "content": "count me"}], tools=[BASH_TOOL])
+    request = dict(
+        model="m",
+        system="Be brief.",
+        messages=[{"role": "user", "content": "count me"}],
+        tools=[BASH_TOOL],
+    )
     counted = sdk.messages.count_tokens(**request)
     sdk.messages.create(max_tokens=50, **request)
     (entry,) = freeze(servers.store_dir, rollout_id).entries
@@ -172,7 +202,9 @@ def test_claude_code_request_is_served_as_the_cli_sends_it(servers) -> None:
     with httpx.Client(base_url=servers.front, timeout=60) as http:
         warm_up = http.head(fixture["path"].removesuffix("/v1/messages"))
         assert warm_up.status_code == 200
-        response = http.post(f"{fixture['path']}?{fixture['query']}", json=fixture["body"], headers=headers)
+        response = http.post(
+            f"{fixture['path']}?{fixture['query']}", json=fixture["body"], headers=headers
+        )
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/event-stream")
     events = sse_events(response.text)

@@ -72,7 +72,9 @@ def test_upstream_down_is_a_dialect_error_and_a_void_intent(servers, tmp_path: P
         with pytest.raises(anthropic.APIStatusError) as messages_error:
             anthropic_client(base).messages.create(model="m", max_tokens=10, messages=HELLO)
         with pytest.raises(anthropic.APIStatusError) as stream_error:
-            with anthropic_client(base).messages.stream(model="m", max_tokens=10, messages=HELLO) as events:
+            with anthropic_client(base).messages.stream(
+                model="m", max_tokens=10, messages=HELLO
+            ) as events:
                 list(events)
         with pytest.raises(openai.APIStatusError) as chat_error:
             openai_client(base).chat.completions.create(model="m", messages=HELLO)
@@ -91,7 +93,9 @@ def test_upstream_down_is_a_dialect_error_and_a_void_intent(servers, tmp_path: P
     assert state["calls"] == 0 and state["pending_intents"] == 0
     assert state["version"] >= 8 and not state["incomplete"]
     # The harness's retry, through a working upstream, is captured; the rollout is not masked.
-    reply = anthropic_client(servers.base(rollout_id)).messages.create(model="m", max_tokens=200, messages=HELLO)
+    reply = anthropic_client(servers.base(rollout_id)).messages.create(
+        model="m", max_tokens=200, messages=HELLO
+    )
     record, build = finalize(servers.store_dir, rollout_id, answer_output(reply.content[-1].text))
     assert build.ok and not build.masked and build.metrics["capture_incomplete"] is False
 
@@ -122,8 +126,13 @@ def test_untagged_paths_are_served_but_not_captured(servers) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    ["/", "/v1", "/ng-rollout/probe-1", "/ng-rollout/probe-1/training-token-capture",
-     "/ng-rollout/probe-1/training-token-capture/v1"],
+    [
+        "/",
+        "/v1",
+        "/ng-rollout/probe-1",
+        "/ng-rollout/probe-1/training-token-capture",
+        "/ng-rollout/probe-1/training-token-capture/v1",
+    ],
 )
 def test_head_and_get_on_base_paths_answer(servers, path: str) -> None:
     assert httpx.head(servers.front + path).status_code == 200
@@ -156,8 +165,10 @@ def test_body_beyond_the_limit_is_413(servers) -> None:
     payload = json.dumps(big).encode()
     chunks = (payload[i : i + 1000] for i in range(0, len(payload), 1000))
     chunked = httpx.post(
-        servers.base("big-1") + "/v1/chat/completions", content=chunks,
-        headers={"content-type": "application/json"}, timeout=30,
+        servers.base("big-1") + "/v1/chat/completions",
+        content=chunks,
+        headers={"content-type": "application/json"},
+        timeout=30,
     )
     assert chunked.status_code == 413
     with pytest.raises(anthropic.APIStatusError) as error:
@@ -174,7 +185,10 @@ def test_bad_requests_are_400_in_the_dialect_format(servers) -> None:
         openai_client(base).chat.completions.create(model="m", messages=HELLO, n=2)
     not_json = httpx.post(base + "/v1/messages", content=b"{not json", timeout=30)
     assert not_json.status_code == 400 and not_json.json()["type"] == "error"
-    bad_role = httpx.post(base + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]})
+    bad_role = httpx.post(
+        base + "/v1/messages",
+        json={"model": "m", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
+    )
     assert bad_role.status_code == 400 and "messages[0].role" in bad_role.json()["error"]["message"]
     # Rejected before dispatch: no intent, nothing to mask.
     assert inspect(servers.store_dir, "bad-1")["state"] == "absent"
@@ -187,7 +201,9 @@ def test_a_failing_put_still_serves_the_call_and_marks_the_rollout(tmp_path: Pat
     with engine_server() as engine:
         with front_end(ServerSettings(upstream=engine, capture=capture)) as front:
             base = f"{front}/ng-rollout/put-fails/training-token-capture"
-            with anthropic_client(base).messages.stream(model="m", max_tokens=200, messages=HELLO, tools=[BASH_TOOL]) as events:
+            with anthropic_client(base).messages.stream(
+                model="m", max_tokens=200, messages=HELLO, tools=[BASH_TOOL]
+            ) as events:
                 reply = events.get_final_message()
             completion = openai_client(base).chat.completions.create(model="m", messages=HELLO)
             metrics = httpx.get(front + "/metrics").text
@@ -241,7 +257,9 @@ def test_upstream_without_return_token_ids_falls_back_to_tokenize(tmp_path: Path
     with engine_server() as engine, proxy(engine, _without_return_token_ids, lambda d: d) as old:
         with front_end(file_store_settings(old, tmp_path)) as front:
             base = f"{front}/ng-rollout/old-vllm/training-token-capture"
-            anthropic_client(base).messages.create(model="m", max_tokens=200, system="Be brief.", messages=HELLO, tools=[BASH_TOOL])
+            anthropic_client(base).messages.create(
+                model="m", max_tokens=200, system="Be brief.", messages=HELLO, tools=[BASH_TOOL]
+            )
             truth = httpx.get(engine + "/tokcap/ground_truth").json()
     snapshot = freeze(tmp_path, "old-vllm")
     assert not snapshot.incomplete
@@ -252,14 +270,18 @@ def test_disagreeing_id_sources_are_not_captured(tmp_path: Path) -> None:
     with engine_server() as engine, proxy(engine, lambda b: b, _tampered) as broken:
         with front_end(file_store_settings(broken, tmp_path)) as front:
             base = f"{front}/ng-rollout/disagree/training-token-capture"
-            reply = anthropic_client(base).messages.create(model="m", max_tokens=200, messages=HELLO)
+            reply = anthropic_client(base).messages.create(
+                model="m", max_tokens=200, messages=HELLO
+            )
     assert reply.content[-1].text  # the harness is served all the same
     snapshot = freeze(tmp_path, "disagree")
     assert snapshot.incomplete and snapshot.entries == ()
 
 
 def test_entries_round_trip_with_the_recorded_override_keys(servers) -> None:
-    anthropic_client(servers.base("extras-1")).messages.create(model="m", max_tokens=50, messages=HELLO)
+    anthropic_client(servers.base("extras-1")).messages.create(
+        model="m", max_tokens=50, messages=HELLO
+    )
     (entry,) = freeze(servers.store_dir, "extras-1").entries
     again = TokenEntry.coerce(entry.model_dump())
     assert again.overridden_sampling_keys == ["temperature", "top_p"]
@@ -275,7 +297,9 @@ STREAMS = {
 @pytest.mark.parametrize("path", list(STREAMS))
 def test_the_entry_is_stored_before_the_stream_ends(servers, path: str) -> None:
     rollout_id = "durable-first-" + path.strip("/").replace("/", "-")
-    with httpx.stream("POST", servers.base(rollout_id) + path, json=STREAMS[path], timeout=30) as response:
+    with httpx.stream(
+        "POST", servers.base(rollout_id) + path, json=STREAMS[path], timeout=30
+    ) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         # The harness has one event and not yet the last: the entry is already durable.

@@ -26,7 +26,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
 @pytest.mark.parametrize("path", OPERATIONS)
-def test_generated_requests_never_get_a_server_error(servers, path: str, mode: GenerationMode) -> None:
+def test_generated_requests_never_get_a_server_error(
+    servers, path: str, mode: GenerationMode
+) -> None:
     schema = schemathesis.openapi.from_url(servers.front + "/openapi.json")
     operation = schema[path]["POST"]
     base = servers.base("fuzz-1")
@@ -34,7 +36,10 @@ def test_generated_requests_never_get_a_server_error(servers, path: str, mode: G
 
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(
-        max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
         suppress_health_check=list(HealthCheck),
     )
     def check(case) -> None:

@@ -69,7 +69,9 @@ def gated_front_end(store_dir: Path) -> Iterator[tuple[str, Gate]]:
                 yield front, gate
 
 
-def wait_for_pending_intent(store_dir: Path, rollout_id: str, timeout: float = 10.0) -> dict[str, Any]:
+def wait_for_pending_intent(
+    store_dir: Path, rollout_id: str, timeout: float = 10.0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         state = inspect(store_dir, rollout_id)

@@ -33,14 +33,27 @@ def test_noncanonical_ids_split_the_chain_and_it_is_reported(tmp_path: Path) -> 
         sdk = anthropic.Anthropic(base_url=servers.base(rollout_id), api_key="dummy", max_retries=0)
         messages = [{"role": "user", "content": PROMPT}]
         while True:
-            reply = sdk.messages.create(model="m", max_tokens=2000, messages=messages, tools=[BASH_TOOL])
-            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+            reply = sdk.messages.create(
+                model="m", max_tokens=2000, messages=messages, tools=[BASH_TOOL]
+            )
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [b.model_dump(exclude_none=True) for b in reply.content],
+                }
+            )
             uses = [block for block in reply.content if block.type == "tool_use"]
             if not uses:
                 break
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": use.id, "content": "ok"} for use in uses
-            ]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": use.id, "content": "ok"}
+                        for use in uses
+                    ],
+                }
+            )
         truth = servers.ground_truth()
     snapshot = freeze(tmp_path, rollout_id)
     # The capture is exact: every entry is what the engine sampled.

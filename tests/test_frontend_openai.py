@@ -55,7 +55,9 @@ def chat_turn(sdk: openai.OpenAI, messages: list[dict[str, Any]], stream: bool) 
         message = choice.message.model_dump(exclude_none=True)
         return {**message, "finish_reason": choice.finish_reason}
     content, reasoning, calls, finish = "", "", {}, None
-    chunks = list(sdk.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        sdk.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     for chunk in chunks:
         for choice in chunk.choices:
@@ -63,7 +65,10 @@ def chat_turn(sdk: openai.OpenAI, messages: list[dict[str, Any]], stream: bool) 
             content += delta.content or ""
             reasoning += getattr(delta, "reasoning_content", None) or ""
             for call in delta.tool_calls or []:
-                slot = calls.setdefault(call.index, {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}})
+                slot = calls.setdefault(
+                    call.index,
+                    {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}},
+                )
                 slot["function"]["name"] += call.function.name or ""
                 slot["function"]["arguments"] += call.function.arguments or ""
             finish = choice.finish_reason or finish
@@ -92,7 +97,9 @@ def test_chat_tool_loop_is_captured_as_one_chain(servers, stream: bool) -> None:
             break
         for call in turn["tool_calls"]:
             command = json.loads(call["function"]["arguments"])["command"]
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"ran {command}"})
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": f"ran {command}"}
+            )
     calls = sum(1 for message in messages if message["role"] == "assistant")
     assert calls == 3 and messages[-1]["content"].endswith("Done.")
     snapshot = freeze(servers.store_dir, rollout_id)
@@ -105,7 +112,13 @@ def test_chat_tool_loop_is_captured_as_one_chain(servers, stream: bool) -> None:
 
 def responses_turn(sdk: openai.OpenAI, items: list[Any], stream: bool) -> list[dict[str, Any]]:
     """One call; its output items as the harness sends them back."""
-    kwargs = dict(model="policy", instructions="You are a coding agent.", input=items, tools=[RESPONSES_TOOL], max_output_tokens=2000)
+    kwargs = dict(
+        model="policy",
+        instructions="You are a coding agent.",
+        input=items,
+        tools=[RESPONSES_TOOL],
+        max_output_tokens=2000,
+    )
     if stream:
         with sdk.responses.stream(**kwargs) as events:
             kinds = [event.type for event in events]
@@ -137,7 +150,13 @@ def test_responses_tool_loop_is_captured_as_one_chain(servers, stream: bool) -> 
         # Reasoning items come back as the harness got them (reasoning -> message -> calls).
         for call in tool_calls:
             command = json.loads(call["arguments"])["command"]
-            items.append({"type": "function_call_output", "call_id": call["call_id"], "output": f"ran {command}"})
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "call_id": call["call_id"],
+                    "output": f"ran {command}",
+                }
+            )
     assert calls == 3
     assert any(item.get("type") == "reasoning" for item in items)
     final_text = items[-1]["content"][0]["text"]

@@ -29,25 +29,50 @@ from transports.redis import RedisTokenStore
 
 def redis_settings(upstream: str, url: str, prefix: str) -> ServerSettings:
     capture = TokenIdCaptureConfig(
-        enabled=True, sink="transports.redis:RedisTokenSink",
+        enabled=True,
+        sink="transports.redis:RedisTokenSink",
         sink_kwargs={"url": url, "key_prefix": prefix},
     )
-    return ServerSettings(upstream=upstream, capture=capture, sampling_overrides={"temperature": 0.5})
+    return ServerSettings(
+        upstream=upstream, capture=capture, sampling_overrides={"temperature": 0.5}
+    )
 
 
 def test_streamed_tool_loop_on_the_redis_sink(redis_url: str, redis_prefix: str) -> None:
     rollout_id = "redis-loop-1"
-    with engine_server() as engine, front_end(redis_settings(engine, redis_url, redis_prefix)) as front:
-        sdk = anthropic.Anthropic(base_url=f"{front}/ng-rollout/{rollout_id}/training-token-capture", api_key="dummy", max_retries=0)
+    with (
+        engine_server() as engine,
+        front_end(redis_settings(engine, redis_url, redis_prefix)) as front,
+    ):
+        sdk = anthropic.Anthropic(
+            base_url=f"{front}/ng-rollout/{rollout_id}/training-token-capture",
+            api_key="dummy",
+            max_retries=0,
+        )
         messages: list[dict[str, Any]] = [{"role": "user", "content": "run echo hello"}]
         while True:
-            with sdk.messages.stream(model="m", max_tokens=64000, messages=messages, tools=[BASH_TOOL]) as events:
+            with sdk.messages.stream(
+                model="m", max_tokens=64000, messages=messages, tools=[BASH_TOOL]
+            ) as events:
                 reply = events.get_final_message()
-            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [b.model_dump(exclude_none=True) for b in reply.content],
+                }
+            )
             uses = [b for b in reply.content if b.type == "tool_use"]
             if not uses:
                 break
-            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "hello"} for u in uses]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": u.id, "content": "hello"}
+                        for u in uses
+                    ],
+                }
+            )
         truth = httpx.get(engine + "/tokcap/ground_truth").json()
 
     async def rebuild() -> tuple[Any, dict, Any]:
@@ -65,7 +90,9 @@ def test_streamed_tool_loop_on_the_redis_sink(redis_url: str, redis_prefix: str)
     assert_one_contiguous_chain(build, record, 3)
 
 
-async def test_an_undurable_redis_is_refused_at_startup(redis_server_factory, redis_prefix: str) -> None:
+async def test_an_undurable_redis_is_refused_at_startup(
+    redis_server_factory, redis_prefix: str
+) -> None:
     server = redis_server_factory(appendonly="no")
     app = create_app(redis_settings("http://127.0.0.1:1", server.url, redis_prefix))
     with pytest.raises(Exception, match="(?i)appendonly|AOF|durab"):

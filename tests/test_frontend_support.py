@@ -67,7 +67,11 @@ def engine_server(**settings: Any) -> Iterator[str]:
 def file_store_settings(upstream: str, store_dir: Path, **overrides: Any) -> ServerSettings:
     """Front-end settings with capture on the file store, built through the capture config."""
     capture = TokenIdCaptureConfig(enabled=True, dir=str(store_dir))
-    fields: dict[str, Any] = {"upstream": upstream, "capture": capture, "sampling_overrides": OVERRIDES}
+    fields: dict[str, Any] = {
+        "upstream": upstream,
+        "capture": capture,
+        "sampling_overrides": OVERRIDES,
+    }
     fields.update(overrides)
     return ServerSettings(**fields)
 
@@ -79,7 +83,9 @@ def front_end(settings: ServerSettings) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def both_servers(store_dir: Path, engine: dict[str, Any] | None = None, **front: Any) -> Iterator[Servers]:
+def both_servers(
+    store_dir: Path, engine: dict[str, Any] | None = None, **front: Any
+) -> Iterator[Servers]:
     with engine_server(**(engine or {})) as engine_url:
         with front_end(file_store_settings(engine_url, store_dir, **front)) as front_url:
             yield Servers(engine_url, front_url, store_dir)
@@ -106,7 +112,9 @@ def freeze(store_dir: Path, rollout_id: str) -> TokenCaptureSnapshot:
     return run(_with_store(store_dir, lambda store: store.freeze(rollout_id)))
 
 
-def finalize(store_dir: Path, rollout_id: str, output: list[dict[str, Any]]) -> tuple[dict, RolloutBuild]:
+def finalize(
+    store_dir: Path, rollout_id: str, output: list[dict[str, Any]]
+) -> tuple[dict, RolloutBuild]:
     """Rebuild the rollout as a trainer would; returns (the record, the build)."""
     record = {"_ng_rollout_id": rollout_id, "response": {"output": output}}
 
@@ -140,7 +148,9 @@ def assert_entries_equal_ground_truth(
             if record["prompt_token_ids"] == entry.prompt_token_ids
             and record["token_ids"] == entry.generation_token_ids
         ]
-        assert len(match) == 1, f"entry {entry.model_call_id} matches {len(match)} ground-truth records"
+        assert len(match) == 1, (
+            f"entry {entry.model_call_id} matches {len(match)} ground-truth records"
+        )
         assert entry.generation_log_probs == match[0]["logprobs"]
         remaining.remove(match[0])
 
@@ -167,9 +177,9 @@ def sse_events(text: str) -> list[tuple[str | None, Any]]:
         name, data = None, None
         for line in block.splitlines():
             if line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                raw = line[len("data: "):]
+                raw = line[len("data: ") :]
                 data = raw if raw == "[DONE]" else json.loads(raw)
         events.append((name, data))
     return events

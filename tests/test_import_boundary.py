@@ -66,9 +66,18 @@ def test_no_capture_file_imports_server_modules():
 
 def test_every_public_name_is_declared():
     required = {
-        "TokenEntry", "TokenCaptureSnapshot", "TokenSink", "TokenSource", "TokenCaptureStore",
-        "TokenIdCaptureConfig", "rollout_id_from_run_body", "capture_base_url",
-        "finalize_rollout_token_capture", "retire_rollout_token_capture", "run_builder",
-        "install_token_source", "install_token_sink",
+        "TokenEntry",
+        "TokenCaptureSnapshot",
+        "TokenSink",
+        "TokenSource",
+        "TokenCaptureStore",
+        "TokenIdCaptureConfig",
+        "rollout_id_from_run_body",
+        "capture_base_url",
+        "finalize_rollout_token_capture",
+        "retire_rollout_token_capture",
+        "run_builder",
+        "install_token_source",
+        "install_token_sink",
     }
     assert required <= set(capture.__all__)

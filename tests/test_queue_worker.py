@@ -27,7 +27,9 @@ from transports.worker import RebuildWorker, WorkerSettings
 
 def final_message(rollout_id: str) -> dict[str, Any]:
     return {
-        "type": "message", "role": "assistant", "status": "completed",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
         "content": [{"type": "output_text", "text": f"done with {rollout_id}", "annotations": []}],
     }
 
@@ -36,17 +38,27 @@ def rollout_entries(
     rollout_id: str, turns: int, *, system: int = 40, gen: int = 6, tool: int = 10
 ) -> list[TokenEntry]:
     """A tool-using rollout whose last call gave the harness's final answer."""
-    return growing_rollout(rollout_id, turns, system_tokens=system, generated_per_turn=gen,
-                           tool_tokens_per_turn=tool, final_item=final_message(rollout_id))
+    return growing_rollout(
+        rollout_id,
+        turns,
+        system_tokens=system,
+        generated_per_turn=gen,
+        tool_tokens_per_turn=tool,
+        final_item=final_message(rollout_id),
+    )
 
 
 def finished_record(rollout_id: str) -> dict[str, Any]:
-    return {"_ng_rollout_id": rollout_id, "response": {"output": [final_message(rollout_id)]},
-            "reward": 1.0}
+    return {
+        "_ng_rollout_id": rollout_id,
+        "response": {"output": [final_message(rollout_id)]},
+        "reward": 1.0,
+    }
 
 
-async def populate(url: str, prefix: str, rollout_ids: list[str], turns: int = 3,
-                   lose_one: bool = False) -> None:
+async def populate(
+    url: str, prefix: str, rollout_ids: list[str], turns: int = 3, lose_one: bool = False
+) -> None:
     """Put every call of each rollout; ``lose_one`` adds an intent that never gets its entry."""
     store = RedisTokenStore(url=url, key_prefix=prefix)
     try:
@@ -82,8 +94,9 @@ def assert_rebuilt(record: dict[str, Any], turns: int) -> None:
 
 
 async def run_worker_in_task(url: str, prefix: str, **overrides: Any):
-    worker = RebuildWorker(WorkerSettings(url=url, key_prefix=prefix, claim_idle_ms=60_000,
-                                          block_ms=100, **overrides))
+    worker = RebuildWorker(
+        WorkerSettings(url=url, key_prefix=prefix, claim_idle_ms=60_000, block_ms=100, **overrides)
+    )
     return worker, asyncio.create_task(worker.run())
 
 
@@ -91,16 +104,24 @@ async def read_until(reader: ResultsReader, count: int, timeout: float = 30.0) -
     records: list[dict] = []
     deadline = asyncio.get_running_loop().time() + timeout
     while len(records) < count:
-        assert asyncio.get_running_loop().time() < deadline, f"only {len(records)} of {count} results"
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"only {len(records)} of {count} results"
+        )
         records += await reader.read(block_ms=200)
     return records
 
 
 def test_result_compaction_round_trips_exact_arrays() -> None:
     entries = rollout_entries("compact-1", 5)
-    items = [{"type": "function_call", "prompt_token_ids": e.prompt_token_ids,
-              "generation_token_ids": e.generation_token_ids,
-              "generation_log_probs": e.generation_log_probs} for e in entries]
+    items = [
+        {
+            "type": "function_call",
+            "prompt_token_ids": e.prompt_token_ids,
+            "generation_token_ids": e.generation_token_ids,
+            "generation_log_probs": e.generation_log_probs,
+        }
+        for e in entries
+    ]
     items.insert(2, {"type": "reasoning", "summary": []})
     record = {"_ng_rollout_id": "compact-1", "response": {"output": items}}
     original = json.loads(json.dumps(record))
@@ -139,8 +160,9 @@ async def test_worker_rebuilds_publishes_retires_and_keeps_masked_evidence(
     async with RebuildQueue(url=redis_url, stream=jobs) as queue:
         for rollout_id in [*good, "lossy-0"]:
             await queue.submit(finished_record(rollout_id))
-    async with ResultsReader(url=redis_url, stream=results, group="trainer", consumer="t1",
-                             block_ms=200) as reader:
+    async with ResultsReader(
+        url=redis_url, stream=results, group="trainer", consumer="t1", block_ms=200
+    ) as reader:
         records = {r["_ng_rollout_id"]: r for r in await read_until(reader, 5)}
         for rollout_id in good:
             assert_rebuilt(records[rollout_id], turns=4)
@@ -201,10 +223,15 @@ async def test_unacked_results_are_delivered_again(redis_url: str, redis_prefix:
     # The trainer restarts under the same name: the two unacked records come back.
     async with ResultsReader(consumer="t1", **reader_options) as reader:
         again = await read_until(reader, 2)
-        assert sorted(r[ "_ng_rollout_id"] for r in again) == sorted(
-            r["_ng_rollout_id"] for r in first[1:])
-        assert again[0]["response"] == next(
-            r for r in first if r["_ng_rollout_id"] == again[0]["_ng_rollout_id"])["response"]
+        assert sorted(r["_ng_rollout_id"] for r in again) == sorted(
+            r["_ng_rollout_id"] for r in first[1:]
+        )
+        assert (
+            again[0]["response"]
+            == next(r for r in first if r["_ng_rollout_id"] == again[0]["_ng_rollout_id"])[
+                "response"
+            ]
+        )
     # Another trainer takes over what t1 left unacked once it has been idle long enough.
     async with ResultsReader(consumer="t2", claim_idle_ms=1, **reader_options) as reader:
         await asyncio.sleep(0.01)
@@ -220,8 +247,13 @@ async def test_unacked_results_are_delivered_again(redis_url: str, redis_prefix:
 
 def _cli(command: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run one subcommand's module, as ``tokcap <command>`` would."""
-    return subprocess.run([sys.executable, "-m", f"transports.{command}_cli", *args],
-                          input=stdin, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", f"transports.{command}_cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tmp_path) -> None:
@@ -229,31 +261,39 @@ async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tm
     jobs, _, _ = stream_names(redis_prefix)
     path = tmp_path / "record.json"
     path.write_text(json.dumps(finished_record("cli-1")))
-    done = await asyncio.to_thread(_cli, "submit", "--url", redis_url, "--key-prefix", redis_prefix,
-                                   str(path))
+    done = await asyncio.to_thread(
+        _cli, "submit", "--url", redis_url, "--key-prefix", redis_prefix, str(path)
+    )
     assert done.returncode == 0, done.stderr
     assert "cli-1" in done.stdout
     client = aioredis.Redis.from_url(redis_url)
     try:
-        (job_id, fields), = await client.xrange(jobs)
+        ((job_id, fields),) = await client.xrange(jobs)
         assert done.stdout.split()[0] == job_id.decode()
         assert decode_job(fields) == ("cli-1", finished_record("cli-1"))
     finally:
         await client.aclose()
-    bad = await asyncio.to_thread(_cli, "submit", "--url", redis_url, "--stream", jobs, "-",
-                                  stdin=json.dumps({"reward": 1.0}))
+    bad = await asyncio.to_thread(
+        _cli, "submit", "--url", redis_url, "--stream", jobs, "-", stdin=json.dumps({"reward": 1.0})
+    )
     assert bad.returncode == 2 and "_ng_rollout_id" in bad.stderr
-    shown = await asyncio.to_thread(_cli, "inspect", "cli-1", "--url", redis_url,
-                                    "--key-prefix", redis_prefix)
+    shown = await asyncio.to_thread(
+        _cli, "inspect", "cli-1", "--url", redis_url, "--key-prefix", redis_prefix
+    )
     assert shown.returncode == 0, shown.stderr
     assert "open" in shown.stdout and "generated_tokens" in shown.stdout
-    as_json = await asyncio.to_thread(_cli, "inspect", "cli-1", "--url", redis_url,
-                                      "--key-prefix", redis_prefix, "--json")
+    as_json = await asyncio.to_thread(
+        _cli, "inspect", "cli-1", "--url", redis_url, "--key-prefix", redis_prefix, "--json"
+    )
     info = json.loads(as_json.stdout)
     assert info["calls"] == 3 and info["state"] == "open" and info["tombstone"] is False
     helped = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "api.cli", "worker", "--help"],
-        capture_output=True, text=True, timeout=60)
+        subprocess.run,
+        [sys.executable, "-m", "api.cli", "worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert helped.returncode == 0 and "--concurrency" in helped.stdout
 
 
@@ -267,8 +307,9 @@ async def test_inspect_command_reads_a_file_store(tmp_path) -> None:
         await store.freeze("file-1")
     finally:
         await store.close()
-    shown = await asyncio.to_thread(_cli, "inspect", "file-1", "--dir", str(tmp_path / "captures"),
-                                    "--json")
+    shown = await asyncio.to_thread(
+        _cli, "inspect", "file-1", "--dir", str(tmp_path / "captures"), "--json"
+    )
     assert shown.returncode == 0, shown.stderr
     info = json.loads(shown.stdout)
     assert info["state"] == "frozen" and info["calls"] == 2 and info["generated_tokens"] == 12

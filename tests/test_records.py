@@ -74,7 +74,9 @@ def test_carrier_index_outside_output_items(index):
 def test_carrier_index_needs_items():
     with pytest.raises(ValueError, match="outside output_items"):
         TokenEntry(**entry_fields(output_items=[], token_item_index=0))
-    assert TokenEntry(**entry_fields(output_items=[], token_item_index=None)).token_item_index is None
+    assert (
+        TokenEntry(**entry_fields(output_items=[], token_item_index=None)).token_item_index is None
+    )
 
 
 def test_empty_call_id_rejected():
@@ -119,7 +121,9 @@ class GymLikeEntry(BaseModel):
 
 
 def test_coerce_from_object_with_model_dump():
-    other = GymLikeEntry(**{k: v for k, v in entry_fields().items() if k in GymLikeEntry.model_fields})
+    other = GymLikeEntry(
+        **{k: v for k, v in entry_fields().items() if k in GymLikeEntry.model_fields}
+    )
     entry = TokenEntry.coerce(other)
     assert entry.model_call_id == "call-1"
     assert entry.generation_log_probs == [-0.5, -1.25]
@@ -143,8 +147,13 @@ def test_coerce_from_plain_attribute_object():
 
 def test_coerce_from_slotted_object_reads_attributes():
     class Slotted:
-        __slots__ = ("rollout_id", "model_call_id", "prompt_token_ids",
-                     "generation_token_ids", "generation_log_probs")
+        __slots__ = (
+            "rollout_id",
+            "model_call_id",
+            "prompt_token_ids",
+            "generation_token_ids",
+            "generation_log_probs",
+        )
 
         def __init__(self):
             self.rollout_id = "r"

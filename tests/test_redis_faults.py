@@ -23,8 +23,12 @@ from transports.redis import RedisTokenStore, RedisUnavailableError
 
 
 async def test_put_to_an_unreachable_server_raises(redis_prefix):
-    store = RedisTokenStore(url=f"redis://127.0.0.1:{free_port()}/0", key_prefix=redis_prefix,
-                            max_retries=2, connect_timeout_s=0.5)
+    store = RedisTokenStore(
+        url=f"redis://127.0.0.1:{free_port()}/0",
+        key_prefix=redis_prefix,
+        max_retries=2,
+        connect_timeout_s=0.5,
+    )
     with pytest.raises(RedisUnavailableError, match="unreachable after 3 attempts"):
         await store.put(make_token_entry("nowhere", "c-1"))
     with pytest.raises(RedisUnavailableError):
@@ -36,8 +40,9 @@ async def test_mark_incomplete_raises_after_bounded_retries_once_redis_dies(
     redis_server_factory, redis_prefix
 ):
     server = redis_server_factory()
-    store = RedisTokenStore(url=server.url, key_prefix=redis_prefix, max_retries=3,
-                            connect_timeout_s=0.5)
+    store = RedisTokenStore(
+        url=server.url, key_prefix=redis_prefix, max_retries=3, connect_timeout_s=0.5
+    )
     await store.put(make_token_entry("dies", "c-1"))
     server.kill9()
     with pytest.raises(RedisUnavailableError, match="after 4 attempts"):
@@ -50,14 +55,28 @@ async def test_mark_incomplete_raises_after_bounded_retries_once_redis_dies(
 
 async def test_kill9_under_load_loses_no_acknowledged_put(redis_server_factory, redis_prefix):
     server = redis_server_factory()
-    store = RedisTokenStore(url=server.url, key_prefix=redis_prefix, max_retries=0,
-                            connect_timeout_s=0.5, socket_timeout_s=2)
-    rollouts = {f"crash-{n:02d}": growing_rollout(f"crash-{n:02d}", 6, system_tokens=300,
-                                                  generated_per_turn=20, tool_tokens_per_turn=40,
-                                                  seed=n)
-                for n in range(50)}
+    store = RedisTokenStore(
+        url=server.url,
+        key_prefix=redis_prefix,
+        max_retries=0,
+        connect_timeout_s=0.5,
+        socket_timeout_s=2,
+    )
+    rollouts = {
+        f"crash-{n:02d}": growing_rollout(
+            f"crash-{n:02d}",
+            6,
+            system_tokens=300,
+            generated_per_turn=20,
+            tool_tokens_per_turn=40,
+            seed=n,
+        )
+        for n in range(50)
+    }
     # Each of 8 writers owns a slice of the rollouts and walks them turn by turn.
-    work = [entry for turn in range(6) for entries in rollouts.values() for entry in [entries[turn]]]
+    work = [
+        entry for turn in range(6) for entries in rollouts.values() for entry in [entries[turn]]
+    ]
     acked: list = []
     raised: list = []
     killed = asyncio.Event()
@@ -97,15 +116,17 @@ async def test_500_freezes_racing_puts_lose_nothing(redis_url, redis_prefix):
     late = 0
     for round_number in range(500):
         rollout_id = f"round-{round_number}"
-        entries = [make_token_entry(rollout_id, f"c-{i}", prompt=[round_number, i] * 150)
-                   for i in range(3)]
+        entries = [
+            make_token_entry(rollout_id, f"c-{i}", prompt=[round_number, i] * 150) for i in range(3)
+        ]
 
         async def put(entry):
             await store.put(entry)
             return entry.model_call_id
 
         *outcomes, snapshot = await asyncio.gather(
-            *(put(entry) for entry in entries), store.freeze(rollout_id),
+            *(put(entry) for entry in entries),
+            store.freeze(rollout_id),
             return_exceptions=True,
         )
         assert not isinstance(snapshot, BaseException), snapshot
@@ -114,13 +135,13 @@ async def test_500_freezes_racing_puts_lose_nothing(redis_url, redis_prefix):
         assert all(isinstance(error, RolloutFrozenError) for error in refused), refused
         in_snapshot = {e.model_call_id for e in snapshot.entries}
         if not acknowledged <= in_snapshot:  # allowed only if the drop then fails
-            assert not await store.drop(rollout_id, snapshot_id=snapshot.snapshot_id,
-                                        version=snapshot.version)
+            assert not await store.drop(
+                rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version
+            )
         final = await store.freeze(rollout_id)
         assert acknowledged <= {e.model_call_id for e in final.entries}
         late += len(refused)
-        assert await store.drop(rollout_id, snapshot_id=final.snapshot_id,
-                                version=final.version)
+        assert await store.drop(rollout_id, snapshot_id=final.snapshot_id, version=final.version)
     await store.close()
     assert late > 0, "no put ever lost the race; the test did not race"
 
@@ -150,8 +171,14 @@ WRITER = textwrap.dedent("""
 async def test_several_writer_processes_on_one_rollout(redis_url, redis_prefix):
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WRITER, redis_url, redis_prefix, str(worker),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            sys.executable,
+            "-c",
+            WRITER,
+            redis_url,
+            redis_prefix,
+            str(worker),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for worker in range(4)
     ]

@@ -115,8 +115,9 @@ async def test_foreign_entry_objects_are_accepted(store):
         def __init__(self, **fields):
             self.__dict__.update(fields)
 
-    want = make_token_entry("foreign", "c-1", prompt=[3, 1, 4], generation=[1, 5],
-                            log_probs=[-0.5, -0.25])
+    want = make_token_entry(
+        "foreign", "c-1", prompt=[3, 1, 4], generation=[1, 5], log_probs=[-0.5, -0.25]
+    )
     await store.put(GymEntry(**want.model_dump()))
 
     class Dumps:  # a pydantic-like object read through model_dump()
@@ -174,8 +175,9 @@ async def test_password_in_url(redis_server_factory, redis_prefix):
     await made.put(make_token_entry("authed", "c-1"))
     assert len((await made.freeze("authed")).entries) == 1
     await made.close()
-    wrong = RedisTokenStore(url=server.url.replace("redis://", "redis://:nope@"),
-                            key_prefix=redis_prefix, max_retries=0)
+    wrong = RedisTokenStore(
+        url=server.url.replace("redis://", "redis://:nope@"), key_prefix=redis_prefix, max_retries=0
+    )
     with pytest.raises(redis.exceptions.AuthenticationError):
         await wrong.put(make_token_entry("authed", "c-2"))
     await wrong.close()
@@ -187,8 +189,9 @@ def test_rediss_url_is_accepted_for_tls():
 
 
 async def test_tombstone_expires_after_its_ttl(redis_url, redis_prefix, raw):
-    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, tombstone_ttl_s=30,
-                           evidence_ttl_s=3600)
+    made = RedisTokenStore(
+        url=redis_url, key_prefix=redis_prefix, tombstone_ttl_s=30, evidence_ttl_s=3600
+    )
     await made.put(make_token_entry("ttl", "c-1"))
     key = rollout_key(redis_prefix, "ttl")
     assert raw.pttl(key) == -1  # an open rollout never expires
@@ -197,7 +200,12 @@ async def test_tombstone_expires_after_its_ttl(redis_url, redis_prefix, raw):
     assert await made.drop("ttl", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
     assert 0 < raw.pttl(key) <= 30_000
     assert {name.decode() for name in raw.hkeys(key)} == {
-        "version", "frozen", "snapshot_id", "incomplete", "retired", "retired_at"
+        "version",
+        "frozen",
+        "snapshot_id",
+        "incomplete",
+        "retired",
+        "retired_at",
     }
     await made.close()
 
@@ -212,11 +220,11 @@ async def test_frozen_rollouts_can_be_kept_until_deleted(redis_url, redis_prefix
     await made.close()
 
 
-async def test_config_loader_builds_the_redis_sink(tmp_path, redis_url, redis_prefix,
-                                                   monkeypatch):
+async def test_config_loader_builds_the_redis_sink(tmp_path, redis_url, redis_prefix, monkeypatch):
     monkeypatch.setenv("TOKCAP_REDIS_URL", redis_url)
     path = tmp_path / "gym.yaml"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         env:
           nemo_gym:
             token_id_capture:
@@ -224,7 +232,8 @@ async def test_config_loader_builds_the_redis_sink(tmp_path, redis_url, redis_pr
               sink: transports.redis:RedisTokenSink
               sink_kwargs: {{url: "${{oc.env:TOKCAP_REDIS_URL}}", key_prefix: {redis_prefix}}}
               rebuild_response: false
-        """))
+        """)
+    )
     sink = load_capture_config(str(path)).build_sink()
     assert isinstance(sink, RedisTokenStore)
     await sink.put(make_token_entry("configured", "c-1"))
@@ -235,10 +244,15 @@ async def test_config_loader_builds_the_redis_sink(tmp_path, redis_url, redis_pr
 
 
 def test_config_loader_rejects_unknown_sink_kwargs(redis_url):
-    config = load_capture_config({"token_id_capture": {
-        "enabled": True, "sink": "transports.redis:RedisTokenSink",
-        "sink_kwargs": {"url": redis_url, "prefix": "typo"},
-    }})
+    config = load_capture_config(
+        {
+            "token_id_capture": {
+                "enabled": True,
+                "sink": "transports.redis:RedisTokenSink",
+                "sink_kwargs": {"url": redis_url, "prefix": "typo"},
+            }
+        }
+    )
     with pytest.raises(ConfigError, match="prefix"):
         config.build_sink()
 
@@ -246,8 +260,9 @@ def test_config_loader_rejects_unknown_sink_kwargs(redis_url):
 def _rollout(rollout_id: str, turns: int) -> list:
     from tests.rollouts import growing_rollout
 
-    return growing_rollout(rollout_id, turns, system_tokens=600, generated_per_turn=50,
-                           tool_tokens_per_turn=80)
+    return growing_rollout(
+        rollout_id, turns, system_tokens=600, generated_per_turn=50, tool_tokens_per_turn=80
+    )
 
 
 async def test_branching_prompts_round_trip_exactly(redis_url, redis_prefix):
@@ -263,9 +278,13 @@ async def test_branching_prompts_round_trip_exactly(redis_url, redis_prefix):
         cut = rng.randrange(len(base) + 1)  # a fork anywhere, a prefix, or a full extension
         prompt = base[:cut] + [rng.randrange(151_000) for _ in range(rng.choice([0, 1, 7, 260]))]
         generation = [rng.randrange(151_000) for _ in range(rng.randrange(0, 40))]
-        entry = make_token_entry("branchy", f"c-{number:03d}", prompt=prompt,
-                                 generation=generation,
-                                 log_probs=[-rng.random() for _ in generation])
+        entry = make_token_entry(
+            "branchy",
+            f"c-{number:03d}",
+            prompt=prompt,
+            generation=generation,
+            log_probs=[-rng.random() for _ in generation],
+        )
         await writers[number % 2].put(entry)
         entries.append(entry)
         sequences.append(prompt + generation)

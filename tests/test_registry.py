@@ -52,7 +52,9 @@ def test_install_sink_returns_previous():
 
 
 def test_install_sink_checks_the_protocol():
-    with pytest.raises(ConfigError, match="NoMarkIncompleteSink cannot be installed as the token sink"):
+    with pytest.raises(
+        ConfigError, match="NoMarkIncompleteSink cannot be installed as the token sink"
+    ):
         install_token_sink(NoMarkIncompleteSink())
     with pytest.raises(ConfigError, match="no callable put, mark_incomplete, close"):
         install_token_sink(object())

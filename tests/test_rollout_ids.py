@@ -75,8 +75,22 @@ def test_valid_ids_returned_unchanged(rollout_id):
 
 @pytest.mark.parametrize(
     "rollout_id",
-    ["", "-x", ".hidden", "_x", "a/b", "../etc", "..", "a b", "a\n", "a\tb", "é", "a:b", "a%2Fb",
-     "x" * (ROLLOUT_ID_MAX_LEN + 1)],
+    [
+        "",
+        "-x",
+        ".hidden",
+        "_x",
+        "a/b",
+        "../etc",
+        "..",
+        "a b",
+        "a\n",
+        "a\tb",
+        "é",
+        "a:b",
+        "a%2Fb",
+        "x" * (ROLLOUT_ID_MAX_LEN + 1),
+    ],
 )
 def test_invalid_ids_rejected(rollout_id):
     with pytest.raises(InvalidRolloutIdError):
@@ -99,7 +113,9 @@ def test_non_string_rejected(value):
 @pytest.mark.parametrize("explicit", ["bad id", "a/../b", "", 17])
 def test_invalid_explicit_id_is_rejected_not_rewritten(explicit):
     with pytest.raises(InvalidRolloutIdError):
-        rollout_id_from_run_body({"_ng_rollout_id": explicit, "_ng_task_index": 1, "_ng_rollout_index": 0})
+        rollout_id_from_run_body(
+            {"_ng_rollout_id": explicit, "_ng_task_index": 1, "_ng_rollout_index": 0}
+        )
 
 
 def test_capture_base_url():
@@ -129,8 +145,10 @@ def test_base_url_round_trips_through_split():
     ("path", "expected"),
     [
         ("/ng-rollout/r1/training-token-capture/v1/messages", ("r1", True, "/v1/messages")),
-        ("/ng-rollout/r1/training-token-capture/v1/chat/completions?x=1",
-         ("r1", True, "/v1/chat/completions?x=1")),
+        (
+            "/ng-rollout/r1/training-token-capture/v1/chat/completions?x=1",
+            ("r1", True, "/v1/chat/completions?x=1"),
+        ),
         ("/ng-rollout/r1/training-token-capture", ("r1", True, "/")),
         ("/ng-rollout/r1/training-token-capture/", ("r1", True, "/")),
         ("/ng-rollout/r1/v1/responses", ("r1", False, "/v1/responses")),
@@ -139,8 +157,14 @@ def test_base_url_round_trips_through_split():
         ("/v1/responses", (None, False, "/v1/responses")),
         ("/", (None, False, "/")),
         ("/ng-rollout", (None, False, "/ng-rollout")),
-        ("/v1/ng-rollout/r1/training-token-capture", (None, False, "/v1/ng-rollout/r1/training-token-capture")),
-        ("ng-rollout/r1/training-token-capture", (None, False, "ng-rollout/r1/training-token-capture")),
+        (
+            "/v1/ng-rollout/r1/training-token-capture",
+            (None, False, "/v1/ng-rollout/r1/training-token-capture"),
+        ),
+        (
+            "ng-rollout/r1/training-token-capture",
+            (None, False, "ng-rollout/r1/training-token-capture"),
+        ),
     ],
 )
 def test_split_capture_path(path, expected):
@@ -148,7 +172,9 @@ def test_split_capture_path(path, expected):
 
 
 def test_split_returns_invalid_ids_as_sent_for_the_caller_to_reject():
-    rollout_id, captured, rest = split_capture_path("/ng-rollout/bad%20id/training-token-capture/v1/x")
+    rollout_id, captured, rest = split_capture_path(
+        "/ng-rollout/bad%20id/training-token-capture/v1/x"
+    )
     assert (rollout_id, captured, rest) == ("bad%20id", True, "/v1/x")
     with pytest.raises(InvalidRolloutIdError):
         validate_rollout_id(rollout_id)

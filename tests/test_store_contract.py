@@ -13,8 +13,16 @@ from capture.errors import ConflictingEntryError, InvalidRolloutIdError, Rollout
 from capture.protocols import IntentSink, TokenSink, TokenSource
 
 INSPECT_KEYS = {
-    "rollout_id", "state", "calls", "pending_intents", "incomplete", "version",
-    "snapshot_id", "prompt_tokens_max", "generated_tokens", "tombstone",
+    "rollout_id",
+    "state",
+    "calls",
+    "pending_intents",
+    "incomplete",
+    "version",
+    "snapshot_id",
+    "prompt_tokens_max",
+    "generated_tokens",
+    "tombstone",
 }
 
 
@@ -27,8 +35,14 @@ async def test_store_satisfies_the_protocols(store):
 async def test_entries_round_trip_exactly_sorted_by_call_id(store, make_entry):
     shared = list(range(1000, 1600))  # longer than a block, so prompts share stored blocks
     entries = [
-        make_entry("rt", "c-2", prompt=shared + [5, 6], generation=[11, 12],
-                   log_probs=[-0.1, -1e-30], custom_field={"nested": [1, "x"]}),
+        make_entry(
+            "rt",
+            "c-2",
+            prompt=shared + [5, 6],
+            generation=[11, 12],
+            log_probs=[-0.1, -1e-30],
+            custom_field={"nested": [1, "x"]},
+        ),
         make_entry("rt", "c-1", prompt=shared, generation=[3], log_probs=[-2.5]),
         make_entry("rt", "c-3", prompt=[], generation=[4, 4], routed_experts=[[1, 2], [3, 4]]),
         make_entry("rt", "c-0", prompt=shared + [5, 6, 11, 12, 9] * 60, generation=[]),
@@ -139,14 +153,17 @@ async def test_mark_incomplete_after_freeze_advances_the_version(store, make_ent
     snapshot = await store.freeze("late-loss")
     assert snapshot.incomplete is False
     await store.mark_incomplete("late-loss", "c-2")
-    assert await store.drop("late-loss", snapshot_id=snapshot.snapshot_id,
-                            version=snapshot.version) is False
+    assert (
+        await store.drop("late-loss", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+        is False
+    )
     again = await store.freeze("late-loss")
     assert again.snapshot_id == snapshot.snapshot_id
     assert again.version > snapshot.version
     assert again.incomplete is True
-    assert await store.drop("late-loss", snapshot_id=again.snapshot_id,
-                            version=again.version) is True
+    assert (
+        await store.drop("late-loss", snapshot_id=again.snapshot_id, version=again.version) is True
+    )
 
 
 async def test_every_state_change_advances_the_version(store, make_entry):
@@ -177,8 +194,10 @@ async def test_unknown_rollout_freezes_empty_and_blocks_writers(store, make_entr
 async def test_drop_leaves_a_tombstone_that_blocks_late_writers(store, make_entry):
     await store.put(make_entry("dropped", "c-1"))
     snapshot = await store.freeze("dropped")
-    assert await store.drop("dropped", snapshot_id=snapshot.snapshot_id,
-                            version=snapshot.version) is True
+    assert (
+        await store.drop("dropped", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+        is True
+    )
     info = await store.inspect("dropped")
     assert info["state"] == "retired" and info["tombstone"] is True
     assert info["calls"] == 0
@@ -188,8 +207,10 @@ async def test_drop_leaves_a_tombstone_that_blocks_late_writers(store, make_entr
     with pytest.raises(RolloutFrozenError):
         await store.begin_call("dropped", "c-3")
     # Dropping the same snapshot again is a success; its data is gone either way.
-    assert await store.drop("dropped", snapshot_id=snapshot.snapshot_id,
-                            version=snapshot.version) is True
+    assert (
+        await store.drop("dropped", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+        is True
+    )
     after = await store.freeze("dropped")
     assert after.entries == ()
     assert after.snapshot_id == snapshot.snapshot_id
@@ -200,11 +221,17 @@ async def test_drop_of_another_snapshot_returns_false(store, make_entry):
     await store.put(make_entry("guarded", "c-1"))
     assert await store.drop("guarded", snapshot_id="0" * 32, version=1) is False  # not frozen
     snapshot = await store.freeze("guarded")
-    assert await store.drop("guarded", snapshot_id=snapshot.snapshot_id,
-                            version=snapshot.version + 1) is False
+    assert (
+        await store.drop("guarded", snapshot_id=snapshot.snapshot_id, version=snapshot.version + 1)
+        is False
+    )
     assert await store.drop("guarded", snapshot_id="f" * 32, version=snapshot.version) is False
-    assert await store.drop("absent-rollout", snapshot_id=snapshot.snapshot_id,
-                            version=snapshot.version) is False
+    assert (
+        await store.drop(
+            "absent-rollout", snapshot_id=snapshot.snapshot_id, version=snapshot.version
+        )
+        is False
+    )
     assert (await store.inspect("absent-rollout"))["state"] == "absent"
     again = await store.freeze("guarded")
     assert len(again.entries) == 1
@@ -283,8 +310,9 @@ async def test_invalid_rollout_ids_are_rejected(store, make_entry, bad_id):
 async def test_puts_racing_a_freeze(store, make_entry):
     """Every put that returned is in the snapshot; every other one saw the freeze."""
     rollout_id = "race"
-    entries = [make_entry(rollout_id, f"c-{i:03d}", prompt=list(range(i % 7 * 100)))
-               for i in range(60)]
+    entries = [
+        make_entry(rollout_id, f"c-{i:03d}", prompt=list(range(i % 7 * 100))) for i in range(60)
+    ]
 
     async def put(entry):
         await asyncio.sleep(0.001 * (int(entry.model_call_id[2:]) % 10))
@@ -304,8 +332,10 @@ async def test_puts_racing_a_freeze(store, make_entry):
     assert all(isinstance(error, RolloutFrozenError) for error in refused), refused
     assert acknowledged == {entry.model_call_id for entry in snapshot.entries}
     assert len(acknowledged) + len(refused) == len(entries)
-    assert await store.drop(rollout_id, snapshot_id=snapshot.snapshot_id,
-                            version=snapshot.version) is True
+    assert (
+        await store.drop(rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+        is True
+    )
 
 
 async def test_losses_racing_a_freeze_are_never_missed(store, make_entry):
@@ -319,8 +349,9 @@ async def test_losses_racing_a_freeze_are_never_missed(store, make_entry):
 
     results = await asyncio.gather(*(lose(i) for i in range(6)), store.freeze(rollout_id))
     snapshot = results[-1]
-    dropped = await store.drop(rollout_id, snapshot_id=snapshot.snapshot_id,
-                               version=snapshot.version)
+    dropped = await store.drop(
+        rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version
+    )
     assert snapshot.incomplete or not dropped
     assert not dropped or (await store.inspect(rollout_id))["state"] == "retired"
 

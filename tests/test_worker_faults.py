@@ -32,9 +32,23 @@ class WorkerProcess:
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "transports.worker_cli", "--url", url, "--key-prefix", prefix,
-             "--consumer", name, "--block-ms", "100", *flags],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "transports.worker_cli",
+                "--url",
+                url,
+                "--key-prefix",
+                prefix,
+                "--consumer",
+                name,
+                "--block-ms",
+                "100",
+                *flags,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def log(self) -> str:
@@ -69,8 +83,16 @@ async def test_killed_worker_job_is_reclaimed_published_once_retired_after(
     await populate(redis_url, redis_prefix, ["kill-1"], turns=5)
     jobs, results, dead = stream_names(redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
-    first = WorkerProcess(redis_url, redis_prefix, tmp_path, "first", "--claim-idle-ms", "400",
-                          "--debug-delay-after-publish-ms", "60000")
+    first = WorkerProcess(
+        redis_url,
+        redis_prefix,
+        tmp_path,
+        "first",
+        "--claim-idle-ms",
+        "400",
+        "--debug-delay-after-publish-ms",
+        "60000",
+    )
     second = None
     try:
         async with RebuildQueue(url=redis_url, stream=jobs) as queue:
@@ -87,8 +109,9 @@ async def test_killed_worker_job_is_reclaimed_published_once_retired_after(
         first.wait(10)
         assert (await inspect(redis_url, redis_prefix, "kill-1"))["state"] == "frozen"
 
-        second = WorkerProcess(redis_url, redis_prefix, tmp_path, "second",
-                               "--claim-idle-ms", "400")
+        second = WorkerProcess(
+            redis_url, redis_prefix, tmp_path, "second", "--claim-idle-ms", "400"
+        )
 
         async def finished() -> bool:
             return (await client.xpending(jobs, "rebuild"))["pending"] == 0
@@ -112,13 +135,26 @@ async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
     redis_url: str, redis_prefix: str, tmp_path: Path
 ) -> None:
     rollout_ids = [f"many-{n:03d}" for n in range(200)]
-    await asyncio.gather(*(populate(redis_url, redis_prefix, rollout_ids[n::8], turns=2)
-                           for n in range(8)))
+    await asyncio.gather(
+        *(populate(redis_url, redis_prefix, rollout_ids[n::8], turns=2) for n in range(8))
+    )
     jobs, results, dead = stream_names(redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
-    workers = [WorkerProcess(redis_url, redis_prefix, tmp_path, f"w{n}", "--concurrency", "4",
-                             "--log-level", "warning") for n in range(3)]
+    workers = [
+        WorkerProcess(
+            redis_url,
+            redis_prefix,
+            tmp_path,
+            f"w{n}",
+            "--concurrency",
+            "4",
+            "--log-level",
+            "warning",
+        )
+        for n in range(3)
+    ]
     try:
+
         async def all_joined() -> bool:
             await ensure_group(client, jobs, "rebuild")  # so XINFO can be asked early
             return len(await client.xinfo_consumers(jobs, "rebuild")) == 3
@@ -151,7 +187,9 @@ async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
 
         await wait_for(drained, "every job acked", procs=workers)
         assert await client.xlen(jobs) == 0 and await client.xlen(dead) == 0
-        states = Counter([(await inspect(redis_url, redis_prefix, r))["state"] for r in rollout_ids])
+        states = Counter(
+            [(await inspect(redis_url, redis_prefix, r))["state"] for r in rollout_ids]
+        )
         assert states == {"retired": 200}
     finally:
         for proc in workers:
@@ -176,16 +214,22 @@ async def test_malformed_jobs_go_to_dead_letter_with_readable_errors(
     await client.xadd(jobs, encode_job(finished_record("fine-1")))
     worker = WorkerProcess(redis_url, redis_prefix, tmp_path, "solo")
     try:
+
         async def settled() -> bool:
-            return (await client.xlen(dead) == 5 and await client.xlen(results) == 1
-                    and (await client.xpending(jobs, "rebuild"))["pending"] == 0)
+            return (
+                await client.xlen(dead) == 5
+                and await client.xlen(results) == 1
+                and (await client.xpending(jobs, "rebuild"))["pending"] == 0
+            )
 
         await wait_for(settled, "5 dead letters, 1 result, nothing pending", procs=[worker])
         letters = {job_ids[fields[b"job_id"]]: fields for _, fields in await client.xrange(dead)}
         errors = {name: fields[b"error"].decode() for name, fields in letters.items()}
         assert "no 'record' field" in errors["no record"]
         assert "not valid msgpack" in errors["not msgpack"]
-        assert "invalid rollout id" in errors["invalid id"] and "../etc/passwd" in errors["invalid id"]
+        assert (
+            "invalid rollout id" in errors["invalid id"] and "../etc/passwd" in errors["invalid id"]
+        )
         assert "names no rollout" in errors["no id"]
         assert "v9" in errors["future"] and "upgrade tokcap" in errors["future"]
         # The dead letter keeps the job's own fields, so it can be inspected or resubmitted.
@@ -205,8 +249,16 @@ async def test_sigterm_finishes_jobs_in_flight_then_exits(
     await populate(redis_url, redis_prefix, rollout_ids, turns=3)
     jobs, results, _ = stream_names(redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
-    worker = WorkerProcess(redis_url, redis_prefix, tmp_path, "term", "--concurrency", "4",
-                           "--debug-delay-after-publish-ms", "4000")
+    worker = WorkerProcess(
+        redis_url,
+        redis_prefix,
+        tmp_path,
+        "term",
+        "--concurrency",
+        "4",
+        "--debug-delay-after-publish-ms",
+        "4000",
+    )
     try:
         async with RebuildQueue(url=redis_url, stream=jobs) as queue:
             for rollout_id in rollout_ids:
@@ -235,8 +287,14 @@ async def test_job_that_keeps_failing_goes_to_dead_letter_with_its_last_error(
     await populate(redis_url, redis_prefix, ["stuck-1"], turns=2)
     jobs, results, dead = stream_names(redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
-    settings = WorkerSettings(url=redis_url, key_prefix=redis_prefix, max_attempts=2,
-                              claim_idle_ms=1, block_ms=50, consumer="live")
+    settings = WorkerSettings(
+        url=redis_url,
+        key_prefix=redis_prefix,
+        max_attempts=2,
+        claim_idle_ms=1,
+        block_ms=50,
+        consumer="live",
+    )
     worker = RebuildWorker(settings)
     task = None
     try:
@@ -253,7 +311,7 @@ async def test_job_that_keeps_failing_goes_to_dead_letter_with_its_last_error(
             return await client.xlen(dead) == 1
 
         await wait_for(gone_dead, "the dead letter", timeout=20)
-        (_, fields), = await client.xrange(dead)
+        ((_, fields),) = await client.xrange(dead)
         assert fields[b"attempts"] == b"3"
         assert b"gave up after 2 attempts" in fields[b"error"]
         assert b"upstream took too long" in fields[b"error"]
@@ -278,8 +336,16 @@ async def test_a_failing_step_is_retried_by_reclaim_then_dead_lettered(
     jobs, results, dead = stream_names(redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
     await client.set(results, "not a stream")
-    worker = RebuildWorker(WorkerSettings(url=redis_url, key_prefix=redis_prefix, max_attempts=3,
-                                          claim_idle_ms=50, block_ms=20, consumer="retrier"))
+    worker = RebuildWorker(
+        WorkerSettings(
+            url=redis_url,
+            key_prefix=redis_prefix,
+            max_attempts=3,
+            claim_idle_ms=50,
+            block_ms=20,
+            consumer="retrier",
+        )
+    )
     task = asyncio.create_task(worker.run())
     try:
         async with RebuildQueue(client=client, stream=jobs) as queue:
@@ -289,7 +355,7 @@ async def test_a_failing_step_is_retried_by_reclaim_then_dead_lettered(
             return await client.xlen(dead) == 1
 
         await wait_for(gone_dead, "the dead letter", timeout=30)
-        (_, fields), = await client.xrange(dead)
+        ((_, fields),) = await client.xrange(dead)
         assert fields[b"attempts"] == b"3" and b"WRONGTYPE" in fields[b"error"]
         assert worker.counts["failed"] == 3 and worker.counts["published"] == 0
         # Never published, so never retired: the capture is still there to rebuild later.

@@ -71,7 +71,6 @@ class Durability:
             )
 
 
-
 def _info(raw: Any) -> dict[str, str]:
     """INFO as text fields, whether the reply is raw or was parsed into a dict by redis-py."""
     if isinstance(raw, dict):

@@ -23,8 +23,16 @@ from capture.rollout_ids import validate_rollout_id
 
 # Shown first, in this order; any other key the store reports follows.
 FIELDS = (
-    "rollout_id", "state", "calls", "pending_intents", "prompt_tokens_max", "generated_tokens",
-    "version", "snapshot_id", "incomplete", "tombstone",
+    "rollout_id",
+    "state",
+    "calls",
+    "pending_intents",
+    "prompt_tokens_max",
+    "generated_tokens",
+    "version",
+    "snapshot_id",
+    "incomplete",
+    "tombstone",
 )
 
 
@@ -33,12 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--url", help="Redis URL of a Redis store (default $TOKCAP_REDIS_URL)")
     where.add_argument("--dir", help="directory of a file store")
-    parser.add_argument("--key-prefix", default="tokcap", help="Redis key prefix (default %(default)s)")
+    parser.add_argument(
+        "--key-prefix", default="tokcap", help="Redis key prefix (default %(default)s)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-async def inspect_rollout(rollout_id: str, *, url: str | None = None, dir: str | None = None,
-                          key_prefix: str = "tokcap") -> dict[str, Any]:
+async def inspect_rollout(
+    rollout_id: str, *, url: str | None = None, dir: str | None = None, key_prefix: str = "tokcap"
+) -> dict[str, Any]:
     """The store's ``inspect()`` for one rollout."""
     if dir is not None:
         from capture.store import TokenCaptureStore
@@ -85,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     url = args.url or (None if args.dir else os.environ.get("TOKCAP_REDIS_URL"))
     if url is None and args.dir is None:
-        print("tokcap inspect: give --url URL (or set TOKCAP_REDIS_URL) or --dir DIR",
-              file=sys.stderr)
+        print(
+            "tokcap inspect: give --url URL (or set TOKCAP_REDIS_URL) or --dir DIR", file=sys.stderr
+        )
         return 2
     try:
         info = asyncio.run(

@@ -53,7 +53,6 @@ def encode_job(record: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-
 def decode_job(fields: Mapping[Any, Any]) -> tuple[str, dict[str, Any]]:
     """(rollout id, record) of one stream entry, or MalformedJobError saying what is wrong."""
     fields = {as_text(key): value for key, value in fields.items()}

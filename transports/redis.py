@@ -223,7 +223,9 @@ class RedisTokenStore:
         ) from last
 
     async def _transact(
-        self, rollout_id: str, reads: Callable[[str], Sequence[Command]],
+        self,
+        rollout_id: str,
+        reads: Callable[[str], Sequence[Command]],
         decide: Callable[[str, list[Any]], Plan],
     ) -> Any:
         """WATCH the rollout, read, decide, and commit the decision atomically."""
@@ -276,17 +278,26 @@ class RedisTokenStore:
             # (HEXISTS downloads nothing), and for the tail the first of them may extend.
             asked = [name for name in encoded.block_names if not cached_epoch or name not in known]
             tail_parent = encoded.tail_parent(known if cached_epoch else ())
-            state = ("HMGET", key, k.VERSION, k.FROZEN, k.field(k.DIGEST, call_id), k.EPOCH,
-                     k.field(k.TAIL, tail_parent))
+            state = (
+                "HMGET",
+                key,
+                k.VERSION,
+                k.FROZEN,
+                k.field(k.DIGEST, call_id),
+                k.EPOCH,
+                k.field(k.TAIL, tail_parent),
+            )
             return [state, *(("HEXISTS", key, k.field(k.BLOCK, name)) for name in asked)]
 
         def decide(key: str, replies: list[Any]) -> Plan:
             nonlocal cached_epoch, known, seen_epoch
             (version, frozen, stored_digest, epoch, tail), held = replies[0], replies[1:]
             if frozen == b"1":
-                return Plan(error=RolloutFrozenError(
-                    f"rollout {entry.rollout_id} is frozen; call {call_id} came too late"
-                ))
+                return Plan(
+                    error=RolloutFrozenError(
+                        f"rollout {entry.rollout_id} is frozen; call {call_id} came too late"
+                    )
+                )
             if cached_epoch and epoch != cached_epoch:
                 # The hash was deleted and made anew since we cached its blocks: ask again.
                 self._known.pop(entry.rollout_id, None)
@@ -303,8 +314,18 @@ class RedisTokenStore:
             if stored_digest is not None:
                 mark = k.field(k.MARK, call_id)
                 return Plan(
-                    writes=[("HSET", key, k.INCOMPLETE, 1, mark, "conflicting payload",
-                             k.VERSION, _int(version) + 1)],
+                    writes=[
+                        (
+                            "HSET",
+                            key,
+                            k.INCOMPLETE,
+                            1,
+                            mark,
+                            "conflicting payload",
+                            k.VERSION,
+                            _int(version) + 1,
+                        )
+                    ],
                     error=ConflictingEntryError(
                         f"rollout {entry.rollout_id}: call {call_id} was already stored with "
                         "a different payload; the rollout is now marked incomplete"
@@ -315,9 +336,16 @@ class RedisTokenStore:
                 held_names |= known
             # The codec decides which bytes are new; only those cross the wire.
             writes = encoded.plan(held_names, {tail_parent: tail} if tail else {})
-            fields: list[Any] = [k.VERSION, _int(version) + 1, k.field(k.ENTRY, call_id),
-                                 encoded.body, k.field(k.DIGEST, call_id), digest,
-                                 k.EPOCH, seen_epoch]
+            fields: list[Any] = [
+                k.VERSION,
+                _int(version) + 1,
+                k.field(k.ENTRY, call_id),
+                encoded.body,
+                k.field(k.DIGEST, call_id),
+                digest,
+                k.EPOCH,
+                seen_epoch,
+            ]
             for name, stored in writes.blocks:
                 fields += [k.field(k.BLOCK, name), stored]
             for parent, value in writes.tails:
@@ -339,8 +367,20 @@ class RedisTokenStore:
         def decide(key: str, replies: list[Any]) -> Plan:
             (version,) = replies[0]
             mark = k.field(k.MARK, model_call_id)
-            return Plan(writes=[("HSET", key, k.INCOMPLETE, 1, mark, "marked incomplete",
-                                 k.VERSION, _int(version) + 1)])
+            return Plan(
+                writes=[
+                    (
+                        "HSET",
+                        key,
+                        k.INCOMPLETE,
+                        1,
+                        mark,
+                        "marked incomplete",
+                        k.VERSION,
+                        _int(version) + 1,
+                    )
+                ]
+            )
 
         await self._transact(rollout_id, lambda key: [("HMGET", key, k.VERSION)], decide)
 
@@ -356,10 +396,12 @@ class RedisTokenStore:
             if value == k.INTENT_VOID and not pending:
                 return Plan()  # nothing to resolve, frozen or not
             if frozen == b"1":
-                return Plan(error=RolloutFrozenError(
-                    f"rollout {rollout_id} is frozen; the {value.decode()} of call "
-                    f"{model_call_id} is too late (the snapshot counts it as it was)"
-                ))
+                return Plan(
+                    error=RolloutFrozenError(
+                        f"rollout {rollout_id} is frozen; the {value.decode()} of call "
+                        f"{model_call_id} is too late (the snapshot counts it as it was)"
+                    )
+                )
             if current == value:
                 return Plan()
             return Plan(writes=[("HSET", key, intent, value, k.VERSION, _int(version) + 1)])
@@ -386,7 +428,7 @@ class RedisTokenStore:
             state = {name: fields.get(name.encode()) for name in k.STATE_FIELDS}
             if state[k.FROZEN] == b"1":
                 return Plan(result=(fields, _int(state[k.VERSION]), state[k.SNAPSHOT_ID]))
-            snapshot_id = (state[k.SNAPSHOT_ID] or uuid.uuid4().hex.encode())
+            snapshot_id = state[k.SNAPSHOT_ID] or uuid.uuid4().hex.encode()
             version = _int(state[k.VERSION]) + 1
             writes = [("HSET", key, k.FROZEN, 1, k.SNAPSHOT_ID, snapshot_id, k.VERSION, version)]
             if self.evidence_ttl_s is not None:
@@ -416,8 +458,20 @@ class RedisTokenStore:
                 return Plan(result=False)
             if retired == b"1":
                 return Plan(result=True)  # this very snapshot was already retired
-            tombstone = [k.VERSION, version, k.FROZEN, 1, k.SNAPSHOT_ID, snapshot_id,
-                         k.INCOMPLETE, _int(incomplete), k.RETIRED, 1, k.RETIRED_AT, time.time()]
+            tombstone = [
+                k.VERSION,
+                version,
+                k.FROZEN,
+                1,
+                k.SNAPSHOT_ID,
+                snapshot_id,
+                k.INCOMPLETE,
+                _int(incomplete),
+                k.RETIRED,
+                1,
+                k.RETIRED_AT,
+                time.time(),
+            ]
             ttl_ms = max(1, int(self.tombstone_ttl_s * 1000))
             writes = [("DEL", key), ("HSET", key, *tombstone), ("PEXPIRE", key, ttl_ms)]
             return Plan(writes=writes, result=True)
@@ -469,7 +523,6 @@ class RedisTokenStore:
             await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
         )
         return summary_of(rollout_id, fields)
-
 
 
 RedisTokenSink = RedisTokenStore

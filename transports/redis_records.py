@@ -36,10 +36,15 @@ def snapshot_of(
     bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
     calls = sorted(bodies)
     entries = tuple(decode_entries([bodies[c] for c in calls], blocks, trusted=True))
-    reasons = [f"call {call_id or '(rollout)'}: {reason.decode()}"
-               for call_id, reason in sorted(kinds[k.MARK].items())]
-    pending = sorted(call_id for call_id, value in kinds[k.INTENT].items()
-                     if value == k.INTENT_OPEN and call_id not in bodies)
+    reasons = [
+        f"call {call_id or '(rollout)'}: {reason.decode()}"
+        for call_id, reason in sorted(kinds[k.MARK].items())
+    ]
+    pending = sorted(
+        call_id
+        for call_id, value in kinds[k.INTENT].items()
+        if value == k.INTENT_OPEN and call_id not in bodies
+    )
     reasons += [f"call {call_id}: intent without entry" for call_id in pending]
     retired = _flag(fields, k.RETIRED)
     if retired:  # its entries are gone, so it can no longer be rebuilt
@@ -85,4 +90,3 @@ def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
         "generated_tokens": generated,
         "tombstone": retired,
     }
-

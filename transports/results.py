@@ -28,7 +28,6 @@ RESULT_ID_KEY = "_ng_result_id"
 _PREFIX_MARK = "_tokcap_prompt_prefix"
 
 
-
 def _output_items(record: Mapping[str, Any]) -> list[Any] | None:
     response = record.get("response")
     output = response.get("output") if isinstance(response, Mapping) else None
@@ -49,7 +48,7 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
             continue
         out = item
         if running and len(prompt) >= len(running) and prompt[: len(running)] == running:
-            out = {**item, _PREFIX_MARK: len(running), "prompt_token_ids": prompt[len(running):]}
+            out = {**item, _PREFIX_MARK: len(running), "prompt_token_ids": prompt[len(running) :]}
         compacted.append(out)
         generation = item.get("generation_token_ids")
         running = [*prompt, *generation] if isinstance(generation, list) else list(prompt)
@@ -68,7 +67,9 @@ def expand_record(record: dict[str, Any]) -> dict[str, Any]:
         shared = item.pop(_PREFIX_MARK, None)
         if shared is not None:
             if shared != len(running):
-                raise ValueError(f"result item extends {shared} tokens, but {len(running)} precede it")
+                raise ValueError(
+                    f"result item extends {shared} tokens, but {len(running)} precede it"
+                )
             item["prompt_token_ids"] = [*running, *item["prompt_token_ids"]]
         generation = item.get("generation_token_ids")
         running = [*item["prompt_token_ids"], *(generation if isinstance(generation, list) else ())]
@@ -77,8 +78,10 @@ def expand_record(record: dict[str, Any]) -> dict[str, Any]:
 
 def encode_result(record: dict[str, Any], **meta: Any) -> dict[str, Any]:
     """Stream fields of one result: plain metadata beside the msgpack record."""
-    fields = {key: ("1" if value is True else "0" if value is False else str(value))
-              for key, value in meta.items()}
+    fields = {
+        key: ("1" if value is True else "0" if value is False else str(value))
+        for key, value in meta.items()
+    }
     fields["format"] = "msgpack"
     fields["record"] = msgpack.packb(compact_record(record), use_bin_type=True)
     return fields
@@ -142,7 +145,9 @@ class ResultsReader:
         self._claim_cursor = "0-0"  # XAUTOCLAIM scans the pending list in rounds
         self._buffer: list[dict[str, Any]] = []
 
-    async def read(self, count: int | None = None, block_ms: int | None = None) -> list[dict[str, Any]]:
+    async def read(
+        self, count: int | None = None, block_ms: int | None = None
+    ) -> list[dict[str, Any]]:
         """Up to ``count`` records (own pending first, then claimed, then new); [] on timeout."""
         count = count or self.count
         if not self._group_ready:
@@ -156,8 +161,12 @@ class ResultsReader:
             self._pending_cursor = None
         if self.claim_idle_ms is not None:
             claimed = await self.client.xautoclaim(
-                self.stream, self.group, self.consumer, self.claim_idle_ms,
-                start_id=self._claim_cursor, count=count,
+                self.stream,
+                self.group,
+                self.consumer,
+                self.claim_idle_ms,
+                start_id=self._claim_cursor,
+                count=count,
             )
             self._claim_cursor = as_text(claimed[0])
             records = self._hand_out(claimed[1])

@@ -18,14 +18,21 @@ from transports.queue import DEFAULT_JOBS_STREAM, RebuildQueue, stream_names
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.json|-", help="record(s) to submit; - for stdin")
-    parser.add_argument("--url", default=os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                        help="Redis URL (default $TOKCAP_REDIS_URL or %(default)s)")
-    parser.add_argument("--key-prefix", default="tokcap",
-                        help="the workers' --key-prefix; the jobs stream is <prefix>:rebuild "
-                             "(default %(default)s)")
-    parser.add_argument("--stream", default=None,
-                        help="jobs stream, if not named by the prefix (default "
-                             f"{DEFAULT_JOBS_STREAM})")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis URL (default $TOKCAP_REDIS_URL or %(default)s)",
+    )
+    parser.add_argument(
+        "--key-prefix",
+        default="tokcap",
+        help="the workers' --key-prefix; the jobs stream is <prefix>:rebuild (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stream",
+        default=None,
+        help=f"jobs stream, if not named by the prefix (default {DEFAULT_JOBS_STREAM})",
+    )
 
 
 def read_records(text: str) -> list[dict[str, Any]]:

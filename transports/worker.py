@@ -87,7 +87,6 @@ class WorkerSettings:
             raise ValueError("concurrency, max_attempts and claim_idle_ms must be >= 1")
 
 
-
 class RebuildWorker:
     """One process's pool of rebuild tasks on the jobs stream."""
 
@@ -95,15 +94,27 @@ class RebuildWorker:
         self.settings = settings
         self.client = aioredis.Redis.from_url(settings.url)
         self.source = RedisTokenStore(
-            url=settings.url, key_prefix=settings.key_prefix, durability=settings.durability,
+            url=settings.url,
+            key_prefix=settings.key_prefix,
+            durability=settings.durability,
             wait_timeout_ms=settings.wait_timeout_ms,
         )
         # Proven once, by the store, at start; the worker's publish waits the same way.
         self.durability = Durability.parse(settings.durability)
         self.errors_key = f"{settings.jobs_stream}:errors"  # job id -> last error
         self.counts = dict.fromkeys(
-            ("done", "published", "retired", "retire_refused", "masked", "skipped", "dead",
-             "failed"), 0)
+            (
+                "done",
+                "published",
+                "retired",
+                "retire_refused",
+                "masked",
+                "skipped",
+                "dead",
+                "failed",
+            ),
+            0,
+        )
         self._stop = asyncio.Event()
         self._in_flight: dict[asyncio.Task[None], str] = {}
         self._claim_cursor = "0-0"
@@ -183,15 +194,20 @@ class RebuildWorker:
         """Take over jobs another consumer left pending for ``claim_idle_ms``."""
         s = self.settings
         reply = await self.client.xautoclaim(
-            s.jobs_stream, s.group, s.consumer, s.claim_idle_ms,
-            start_id=self._claim_cursor, count=count,
+            s.jobs_stream,
+            s.group,
+            s.consumer,
+            s.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
         )
         self._claim_cursor = as_text(reply[0])  # the next round goes on where this one ended
         # A job still in flight here was only idle because a long build held the event loop;
         # running it twice would be safe (publish once, drop idempotent) but wasteful.
         mine = set(self._in_flight.values())
-        claimed = [(as_text(job_id), fields) for job_id, fields in reply[1]
-                   if as_text(job_id) not in mine]
+        claimed = [
+            (as_text(job_id), fields) for job_id, fields in reply[1] if as_text(job_id) not in mine
+        ]
         if not claimed:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
@@ -216,9 +232,7 @@ class RebuildWorker:
             if not ids:
                 continue
             try:
-                await self.client.xclaim(
-                    s.jobs_stream, s.group, s.consumer, 0, ids, justid=True
-                )
+                await self.client.xclaim(s.jobs_stream, s.group, s.consumer, 0, ids, justid=True)
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
@@ -229,9 +243,15 @@ class RebuildWorker:
                 return  # deleted from the stream while pending; XAUTOCLAIM already dropped it
             if deliveries > s.max_attempts:
                 last = await self.client.hget(self.errors_key, job_id)
-                error = as_text(last) if last else "no error recorded: the worker holding it stopped"
-                await self._dead_letter(job_id, fields, f"gave up after {deliveries - 1} attempts; "
-                                        f"last error: {error}", deliveries)
+                error = (
+                    as_text(last) if last else "no error recorded: the worker holding it stopped"
+                )
+                await self._dead_letter(
+                    job_id,
+                    fields,
+                    f"gave up after {deliveries - 1} attempts; last error: {error}",
+                    deliveries,
+                )
                 return
             await self.process(job_id, fields)
         except MalformedJobError as exc:
@@ -239,8 +259,9 @@ class RebuildWorker:
         except Exception as exc:  # any other failure: keep the job pending, or give up
             self.counts["failed"] += 1
             error = f"{type(exc).__name__}: {exc}"
-            log.warning("job %s failed (attempt %d of %d): %s",
-                        job_id, deliveries, s.max_attempts, error)
+            log.warning(
+                "job %s failed (attempt %d of %d): %s", job_id, deliveries, s.max_attempts, error
+            )
             try:
                 if deliveries >= s.max_attempts:
                     await self._dead_letter(job_id, fields, error, deliveries)
@@ -269,8 +290,12 @@ class RebuildWorker:
                 # The rollout changed after its freeze (a late loss was recorded): the result
                 # stands as published, and the store keeps the evidence.
                 self.counts["retire_refused"] += 1
-                log.warning("rollout %s changed after snapshot %s v%s; not retired",
-                            rollout_id, built.snapshot_id, built.version)
+                log.warning(
+                    "rollout %s changed after snapshot %s v%s; not retired",
+                    rollout_id,
+                    built.snapshot_id,
+                    built.version,
+                )
         elif built.skipped:
             self.counts["skipped"] += 1  # the record already carried token ids
         else:
@@ -279,9 +304,13 @@ class RebuildWorker:
         self.counts["done"] += 1
         log.info(
             "job %s: rollout %s snapshot %s v%s %s, result %s%s, %s",
-            job_id, rollout_id, built.snapshot_id or "-", built.version,
+            job_id,
+            rollout_id,
+            built.snapshot_id or "-",
+            built.version,
             "skipped" if built.skipped else "masked" if built.masked or not built.ok else "ok",
-            result_id, "" if fresh else " (already published)",
+            result_id,
+            "" if fresh else " (already published)",
             "retired" if retired else "kept",
         )
 
@@ -301,8 +330,13 @@ class RebuildWorker:
         name = f"{built.snapshot_id}:{built.version}" if built.snapshot_id else f"job:{job_id}"
         guard = f"{s.results_stream}:published:{rollout_id}:{name}"
         fields = encode_result(
-            record, rollout_id=rollout_id, snapshot_id=built.snapshot_id or "",
-            version=built.version, ok=bool(built.ok), masked=bool(built.masked), job_id=job_id,
+            record,
+            rollout_id=rollout_id,
+            snapshot_id=built.snapshot_id or "",
+            version=built.version,
+            ok=bool(built.ok),
+            masked=bool(built.masked),
+            job_id=job_id,
             worker=s.consumer,
         )
         args: list[Any] = [s.guard_ttl_s * 1000]
@@ -331,8 +365,13 @@ class RebuildWorker:
         self.counts["dead"] += 1
         log.error("job %s goes to %s: %s", job_id, s.dead_stream, error)
         dead = {as_text(key): value for key, value in (fields or {}).items()}
-        dead.update(job_id=job_id, error=error, attempts=str(deliveries),
-                    consumer=s.consumer, failed_at=str(time.time()))
+        dead.update(
+            job_id=job_id,
+            error=error,
+            attempts=str(deliveries),
+            consumer=s.consumer,
+            failed_at=str(time.time()),
+        )
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.xadd(s.dead_stream, dead)
             pipe.xack(s.jobs_stream, s.group, job_id)

@@ -86,7 +86,9 @@ REQUEST_SCHEMA: dict[str, Any] = {
 COUNT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["model", "messages"],
-    "properties": {k: REQUEST_SCHEMA["properties"][k] for k in ("model", "messages", "system", "tools")},
+    "properties": {
+        k: REQUEST_SCHEMA["properties"][k] for k in ("model", "messages", "system", "tools")
+    },
 }
 
 
@@ -186,14 +188,21 @@ def _tool_choice(choice: Any) -> Any:
 
 def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """One chat-completions request for a Messages request."""
-    request = chat_request(body, chat_messages(body), chat_tools(body.get("tools")),
-                           _tool_choice(body.get("tool_choice")), "max_tokens")
+    request = chat_request(
+        body,
+        chat_messages(body),
+        chat_tools(body.get("tools")),
+        _tool_choice(body.get("tool_choice")),
+        "max_tokens",
+    )
     top_k = number(body, "top_k", int)
     if top_k is not None:
         request["top_k"] = top_k
     stops = body.get("stop_sequences")
     if stops:
-        request["stop"] = [require_text(s, "stop_sequences[]") for s in require_list(stops, "stop_sequences")]
+        request["stop"] = [
+            require_text(s, "stop_sequences[]") for s in require_list(stops, "stop_sequences")
+        ]
     return request
 
 
@@ -237,7 +246,11 @@ def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
     stop_reason = STOP_REASONS.get(generation.finish_reason or "stop", "end_turn")
     stop_sequence = None
     matched = generation.stop_reason
-    if stop_reason == "end_turn" and isinstance(matched, str) and matched in (body.get("stop_sequences") or []):
+    if (
+        stop_reason == "end_turn"
+        and isinstance(matched, str)
+        and matched in (body.get("stop_sequences") or [])
+    ):
         stop_reason, stop_sequence = "stop_sequence", matched
     if any(block["type"] == "tool_use" for block in content_blocks(captured)):
         stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason

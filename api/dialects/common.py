@@ -94,7 +94,10 @@ def assistant_message(
     An upstream answers a tool-call-only turn with ``content: null``; re-sending the same
     shape lets the template render the turn exactly as it was generated.
     """
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text if text or not tool_calls else None,
+    }
     if reasoning:
         message["reasoning_content"] = reasoning
     if tool_calls:

@@ -43,7 +43,9 @@ REQUEST_SCHEMA: dict[str, Any] = {
     "required": ["model", "input"],
     "properties": {
         "model": {"type": "string"},
-        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _MESSAGE_ITEM}]},
+        "input": {
+            "anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _MESSAGE_ITEM}]
+        },
         "instructions": {"type": "string"},
         "stream": {"type": "boolean"},
         "max_output_tokens": {"type": "integer", "minimum": 1},
@@ -89,7 +91,9 @@ class _Turns:
             types = ("reasoning_text", "summary_text")
             self.reasoning.append(joined_text(parts, f"{where}.content", types))
         elif kind == "function_call":
-            self.calls.append(tool_call(item.get("call_id"), item.get("name"), item.get("arguments")))
+            self.calls.append(
+                tool_call(item.get("call_id"), item.get("name"), item.get("arguments"))
+            )
         elif kind == "function_call_output":
             self.flush()
             output = item.get("output")
@@ -104,7 +108,9 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     turns = _Turns()
     instructions = body.get("instructions")
     if instructions is not None:
-        turns.messages.append({"role": "system", "content": require_text(instructions, "instructions")})
+        turns.messages.append(
+            {"role": "system", "content": require_text(instructions, "instructions")}
+        )
     source = body.get("input")
     if isinstance(source, str):
         turns.messages.append({"role": "user", "content": source})
@@ -142,8 +148,13 @@ def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
             "previous_response_id is not supported: this server keeps no responses; "
             "send the whole conversation as input"
         )
-    return chat_request(body, chat_messages(body), _tools(body.get("tools")),
-                        _tool_choice(body.get("tool_choice")), "max_output_tokens")
+    return chat_request(
+        body,
+        chat_messages(body),
+        _tools(body.get("tools")),
+        _tool_choice(body.get("tool_choice")),
+        "max_output_tokens",
+    )
 
 
 def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,29 +18,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: shipped)")
     parser.add_argument("--ground-truth", default=None, help="append sampled sequences (JSONL)")
-    parser.add_argument("--generation-config", default=None,
-                        help="YAML with default temperature, top_p, max_tokens")
-    parser.add_argument("--noncanonical-rate", type=float, default=0.0,
-                        help="per-token chance of a non-canonical two-token segmentation")
-    parser.add_argument("--think-strip", action="store_true",
-                        help="the chat template drops past <think> blocks")
-    parser.add_argument("--json-reserialize", action="store_true",
-                        help="tool-call JSON is generated compact, re-rendered with spaces")
-    parser.add_argument("--without-token-ids", action="store_true",
-                        help="answer like vLLM < 0.10.2: no prompt_token_ids/token_ids fields")
+    parser.add_argument(
+        "--generation-config", default=None, help="YAML with default temperature, top_p, max_tokens"
+    )
+    parser.add_argument(
+        "--noncanonical-rate",
+        type=float,
+        default=0.0,
+        help="per-token chance of a non-canonical two-token segmentation",
+    )
+    parser.add_argument(
+        "--think-strip", action="store_true", help="the chat template drops past <think> blocks"
+    )
+    parser.add_argument(
+        "--json-reserialize",
+        action="store_true",
+        help="tool-call JSON is generated compact, re-rendered with spaces",
+    )
+    parser.add_argument(
+        "--without-token-ids",
+        action="store_true",
+        help="answer like vLLM < 0.10.2: no prompt_token_ids/token_ids fields",
+    )
     parser.add_argument("--log-level", default="warning")
-    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
-                        help="event loop (default auto: uvloop)")
-    parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
-                        help="HTTP/1.1 parser (default auto: httptools)")
+    parser.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="event loop (default auto: uvloop)",
+    )
+    parser.add_argument(
+        "--http",
+        choices=["auto", "h11", "httptools"],
+        default="auto",
+        help="HTTP/1.1 parser (default auto: httptools)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     settings = EngineSettings(
-        model=args.model, policy=args.policy, script_path=args.script, seed=args.seed,
-        max_model_len=args.max_model_len, tokenizer_path=args.tokenizer,
-        ground_truth_path=args.ground_truth, noncanonical_rate=args.noncanonical_rate,
-        think_strip=args.think_strip, json_reserialize=args.json_reserialize,
+        model=args.model,
+        policy=args.policy,
+        script_path=args.script,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        tokenizer_path=args.tokenizer,
+        ground_truth_path=args.ground_truth,
+        noncanonical_rate=args.noncanonical_rate,
+        think_strip=args.think_strip,
+        json_reserialize=args.json_reserialize,
         token_id_fields=not args.without_token_ids,
     )
     if args.generation_config:
@@ -60,8 +86,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokcap engine: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(
-        create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-        loop=args.loop, http=args.http,
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        loop=args.loop,
+        http=args.http,
     )
     return 0
 

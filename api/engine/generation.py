@@ -87,7 +87,9 @@ class Engine:
         self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True
     ) -> str:
         return render(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
             think_strip=self.settings.think_strip,
         )
 
@@ -131,7 +133,7 @@ class Engine:
             return []
         probe = self.tokenizer.encode(_PROBE)
         ids = self.tokenizer.encode(text + _PROBE)
-        if ids[-len(probe):] == probe:
+        if ids[-len(probe) :] == probe:
             return ids[: -len(probe)]
         return self.tokenizer.encode(text)
 
@@ -143,7 +145,8 @@ class Engine:
             head, tail = reply_text(marked, separators).split(_MARK)
             ids = (
                 self._encode_before_word(head)
-                + [SAMPLE_FIRST] + [SAMPLE_WORD] * (reply.sampled_words - 1)
+                + [SAMPLE_FIRST]
+                + [SAMPLE_WORD] * (reply.sampled_words - 1)
                 + self.tokenizer.encode("." + tail)
             )
         else:
@@ -194,8 +197,14 @@ class Engine:
         return results
 
     def _run(
-        self, prompt_ids: list[int], planned: list[int], params: SamplingParams,
-        max_tokens: int, score_seed: int, index: int, rng: random.Random,
+        self,
+        prompt_ids: list[int],
+        planned: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        score_seed: int,
+        index: int,
+        rng: random.Random,
     ) -> Generation:
         context = list(prompt_ids)
         decoder = StreamDecoder(self.tokenizer)
@@ -209,15 +218,27 @@ class Engine:
                 break
             if planned_id >= 0:
                 step = self.model.step(
-                    context, planned_id, temperature=params.temperature, top_p=params.top_p,
-                    top_k=params.top_logprobs, seed=score_seed,
+                    context,
+                    planned_id,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_logprobs,
+                    seed=score_seed,
                 )
             else:
-                allowed = (self.tokenizer.capital_word_ids if planned_id == SAMPLE_FIRST
-                           else self.tokenizer.word_ids)
+                allowed = (
+                    self.tokenizer.capital_word_ids
+                    if planned_id == SAMPLE_FIRST
+                    else self.tokenizer.word_ids
+                )
                 step = self.model.sample(
-                    context, allowed, rng, temperature=params.temperature, top_p=params.top_p,
-                    top_k=params.top_logprobs, seed=score_seed,
+                    context,
+                    allowed,
+                    rng,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_logprobs,
+                    seed=score_seed,
                 )
             token_id = step.token_id
             ids.append(token_id)

@@ -102,9 +102,7 @@ def chat_message(gen: Generation) -> dict:
     }
 
 
-def chat_completion(
-    tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions
-) -> dict:
+def chat_completion(tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions) -> dict:
     choices = [
         {
             "index": gen.index,
@@ -164,16 +162,30 @@ def _chat_delta(gen: Generation, start: int, end: int, emitted_calls: int) -> tu
     return delta, emitted_calls
 
 
-def chat_stream(tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions) -> Iterator[str]:
+def chat_stream(
+    tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions
+) -> Iterator[str]:
     """SSE lines of a chat completion stream, choices interleaved token by token."""
-    head = {"id": opts.response_id, "object": "chat.completion.chunk", "created": opts.created,
-            "model": opts.model}
+    head = {
+        "id": opts.response_id,
+        "object": "chat.completion.chunk",
+        "created": opts.created,
+        "model": opts.model,
+    }
     prompt_len = len(opts.prompt_ids)
     for gen in gens:
-        chunk = {**head, "choices": [{"index": gen.index,
-                                      "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}],
-                 "prompt_token_ids": list(opts.prompt_ids) if opts.return_token_ids else None}
+        chunk = {
+            **head,
+            "choices": [
+                {
+                    "index": gen.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "prompt_token_ids": list(opts.prompt_ids) if opts.return_token_ids else None,
+        }
         if opts.continuous_usage:
             chunk["usage"] = usage(prompt_len, 0)
         yield _sse(chunk, opts)
@@ -193,7 +205,8 @@ def chat_stream(tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyO
                 "index": gen.index,
                 "delta": delta,
                 "logprobs": chat_logprobs(tokenizer, gen.steps[position : position + 1], opts)
-                if opts.logprobs else None,
+                if opts.logprobs
+                else None,
                 "finish_reason": gen.finish_reason if last else None,
                 "token_ids": [gen.token_ids[position]] if opts.return_token_ids else None,
             }
@@ -211,26 +224,37 @@ def chat_stream(tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyO
 
 # -- /v1/completions --------------------------------------------------------------------
 def completion_logprobs(
-    tokenizer: EngineTokenizer, steps: list[Step], deltas: list[str], opts: ReplyOptions,
+    tokenizer: EngineTokenizer,
+    steps: list[Step],
+    deltas: list[str],
+    opts: ReplyOptions,
     offset: int = 0,
 ) -> dict:
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for step, delta in zip(steps, deltas, strict=True):
         tokens.append(token_label(tokenizer, step.token_id, opts.as_token_ids))
         token_logprobs.append(step.logprob)
-        tops.append({
-            token_label(tokenizer, tid, opts.as_token_ids): lp
-            for tid, lp in step.top[: max(1, opts.top_logprobs)]
-        })
+        tops.append(
+            {
+                token_label(tokenizer, tid, opts.as_token_ids): lp
+                for tid, lp in step.top[: max(1, opts.top_logprobs)]
+            }
+        )
         offsets.append(offset)
         offset += len(delta)
-    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
-            "top_logprobs": tops}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
 
 
 def completion(
-    tokenizer: EngineTokenizer, batches: list[tuple[list[int], list[Generation]]],
-    opts: ReplyOptions, n: int,
+    tokenizer: EngineTokenizer,
+    batches: list[tuple[list[int], list[Generation]]],
+    opts: ReplyOptions,
+    n: int,
 ) -> dict:
     choices = []
     prompt_tokens = completion_tokens = 0
@@ -238,32 +262,46 @@ def completion(
         prompt_tokens += len(prompt_ids)
         for gen in gens:
             completion_tokens += len(gen.token_ids)
-            choices.append({
-                "index": prompt_index * n + gen.index,
-                "text": gen.text,
-                "logprobs": completion_logprobs(tokenizer, gen.steps, gen.deltas, opts)
-                if opts.logprobs else None,
-                "finish_reason": gen.finish_reason,
-                "stop_reason": gen.stop_reason,
-                "token_ids": list(gen.token_ids) if opts.return_token_ids else None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": list(prompt_ids) if opts.return_token_ids else None,
-            })
+            choices.append(
+                {
+                    "index": prompt_index * n + gen.index,
+                    "text": gen.text,
+                    "logprobs": completion_logprobs(tokenizer, gen.steps, gen.deltas, opts)
+                    if opts.logprobs
+                    else None,
+                    "finish_reason": gen.finish_reason,
+                    "stop_reason": gen.stop_reason,
+                    "token_ids": list(gen.token_ids) if opts.return_token_ids else None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": list(prompt_ids) if opts.return_token_ids else None,
+                }
+            )
     body = {
-        "id": opts.response_id, "object": "text_completion", "created": opts.created,
-        "model": opts.model, "choices": choices, "service_tier": None,
-        "system_fingerprint": None, "usage": usage(prompt_tokens, completion_tokens),
+        "id": opts.response_id,
+        "object": "text_completion",
+        "created": opts.created,
+        "model": opts.model,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(prompt_tokens, completion_tokens),
         "kv_transfer_params": None,
     }
     return body if opts.id_fields else _without_id_fields(body)
 
 
 def completion_stream(
-    tokenizer: EngineTokenizer, batches: list[tuple[list[int], list[Generation]]],
-    opts: ReplyOptions, n: int,
+    tokenizer: EngineTokenizer,
+    batches: list[tuple[list[int], list[Generation]]],
+    opts: ReplyOptions,
+    n: int,
 ) -> Iterator[str]:
-    head = {"id": opts.response_id, "object": "text_completion", "created": opts.created,
-            "model": opts.model}
+    head = {
+        "id": opts.response_id,
+        "object": "text_completion",
+        "created": opts.created,
+        "model": opts.model,
+    }
     prompt_tokens = completion_tokens = 0
     for prompt_index, (prompt_ids, gens) in enumerate(batches):
         prompt_tokens += len(prompt_ids)
@@ -277,11 +315,14 @@ def completion_stream(
                     "text": delta,
                     "logprobs": completion_logprobs(
                         tokenizer, gen.steps[position : position + 1], [delta], opts, offset
-                    ) if opts.logprobs else None,
+                    )
+                    if opts.logprobs
+                    else None,
                     "finish_reason": gen.finish_reason if last else None,
                     "stop_reason": gen.stop_reason if last else None,
                     "prompt_token_ids": list(prompt_ids)
-                    if opts.return_token_ids and position == 0 else None,
+                    if opts.return_token_ids and position == 0
+                    else None,
                     "token_ids": [token_id] if opts.return_token_ids else None,
                 }
                 offset += len(delta)

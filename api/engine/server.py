@@ -42,10 +42,14 @@ def error_response(message: str, status: int = 400, kind: str = "BadRequestError
     return JSONResponse(body, status_code=status)
 
 
-def _sampling(engine: Engine, req: SamplingFields, max_tokens: int | None, top: int) -> SamplingParams:
+def _sampling(
+    engine: Engine, req: SamplingFields, max_tokens: int | None, top: int
+) -> SamplingParams:
     defaults = engine.settings.generation_config
     return SamplingParams(
-        temperature=req.temperature if req.temperature is not None else defaults.get("temperature", 1.0),
+        temperature=req.temperature
+        if req.temperature is not None
+        else defaults.get("temperature", 1.0),
         top_p=req.top_p if req.top_p is not None else defaults.get("top_p", 1.0),
         max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens"),
         seed=req.seed,
@@ -54,8 +58,14 @@ def _sampling(engine: Engine, req: SamplingFields, max_tokens: int | None, top: 
     )
 
 
-def _options(engine: Engine, req: SamplingFields, prefix: str, prompt_ids: list[int],
-             logprobs: bool, top_logprobs: int) -> responses.ReplyOptions:
+def _options(
+    engine: Engine,
+    req: SamplingFields,
+    prefix: str,
+    prompt_ids: list[int],
+    logprobs: bool,
+    top_logprobs: int,
+) -> responses.ReplyOptions:
     stream_options = req.stream_options
     return responses.ReplyOptions(
         response_id=f"{prefix}-{uuid.uuid4().hex}",
@@ -89,7 +99,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     @app.exception_handler(ScriptedError)
     async def _scripted(_: Request, exc: ScriptedError) -> JSONResponse:
-        kind = HTTPStatus(exc.status).phrase.replace(" ", "") if exc.status in _STATUSES else "Error"
+        kind = (
+            HTTPStatus(exc.status).phrase.replace(" ", "") if exc.status in _STATUSES else "Error"
+        )
         return error_response(exc.message, exc.status, kind)
 
     @app.get("/health")
@@ -104,15 +116,29 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     async def models() -> dict:
         created = int(time.time())
         card = {
-            "id": settings.model, "object": "model", "created": created, "owned_by": "vllm",
-            "root": settings.model, "parent": None, "max_model_len": settings.max_model_len,
-            "permission": [{
-                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
-                "created": created, "allow_create_engine": False, "allow_sampling": True,
-                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                "allow_fine_tuning": False, "organization": "*", "group": None,
-                "is_blocking": False,
-            }],
+            "id": settings.model,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": settings.model,
+            "parent": None,
+            "max_model_len": settings.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
         return {"object": "list", "data": [card]}
 
@@ -127,9 +153,13 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         top = req.top_logprobs or 0
         opts = _options(engine, req, "chatcmpl", prompt_ids, bool(req.logprobs), top)
         gens = engine.generate(
-            prompt_ids, conversation, _sampling(engine, req, req.effective_max_tokens, top),
-            n=req.n or 1, tool_choice=tool_choice,
-            parse_tools=bool(tools) and tool_choice != "none", request_id=opts.response_id,
+            prompt_ids,
+            conversation,
+            _sampling(engine, req, req.effective_max_tokens, top),
+            n=req.n or 1,
+            tool_choice=tool_choice,
+            parse_tools=bool(tools) and tool_choice != "none",
+            request_id=opts.response_id,
         )
         if req.stream:
             return StreamingResponse(
@@ -150,14 +180,17 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         for prompt in prompts:
             if isinstance(prompt, list):
                 if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
-                    return error_response(f"token id out of vocabulary (0..{tokenizer.vocab_size - 1})")
+                    return error_response(
+                        f"token id out of vocabulary (0..{tokenizer.vocab_size - 1})"
+                    )
                 prompt_ids, text = list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
             else:
                 prompt_ids, text = tokenizer.encode(prompt), prompt
             messages = messages_from_prompt(text) or [{"role": "user", "content": text}]
             conversation = Conversation(messages, tools_from_prompt(text))
-            gens = engine.generate(prompt_ids, conversation, sampling, n=req.n or 1,
-                                   request_id=opts.response_id)
+            gens = engine.generate(
+                prompt_ids, conversation, sampling, n=req.n or 1, request_id=opts.response_id
+            )
             batches.append((prompt_ids, gens))
         n = req.n or 1
         if req.stream:
@@ -175,8 +208,14 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             text = req.prompt or ""
         ids = tokenizer.encode(text)
         strs = [tokenizer.hf.id_to_token(i) for i in ids] if req.return_token_strs else None
-        return JSONBytesResponse({"count": len(ids), "max_model_len": settings.max_model_len,
-                                  "tokens": ids, "token_strs": strs})
+        return JSONBytesResponse(
+            {
+                "count": len(ids),
+                "max_model_len": settings.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

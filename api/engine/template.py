@@ -110,7 +110,8 @@ def normalize_message(message: dict, *, think_strip: bool) -> dict:
                 {
                     "name": function.get("name", ""),
                     "json": tool_call_json(
-                        function.get("name", ""), function.get("arguments", "{}"),
+                        function.get("name", ""),
+                        function.get("arguments", "{}"),
                         TEMPLATE_SEPARATORS,
                     ),
                 }

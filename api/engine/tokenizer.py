@@ -85,7 +85,8 @@ class EngineTokenizer:
         """Vocabulary tokens matching ``pattern`` that are their own canonical encoding."""
         regex = re.compile(pattern)
         return [
-            i for i, raw in enumerate(self.token_bytes)
+            i
+            for i, raw in enumerate(self.token_bytes)
             if i not in self.added_ids and regex.fullmatch(raw) and self.encode(raw.decode()) == [i]
         ]
 
