@@ -1,7 +1,8 @@
 """What the records of a rollout's log mean: the folded state, and entries read back.
 
 A log holds a head, then one record per state change: ``put`` (an entry), ``lost`` (a
-mark_incomplete), ``intent``, ``void``, ``freeze``; a dropped rollout's log is rewritten to a
+mark_incomplete), ``intent``, ``void``, ``unreceived`` (a reply the harness never got),
+``freeze``; a dropped rollout's log is rewritten to a
 head and a ``tomb``. The version is the number of state changes since the log began (a tomb
 restores the dropped snapshot's version).
 
@@ -34,6 +35,7 @@ class RolloutState:
     tails: dict[str, bytes] = field(default_factory=dict)  # parent name -> codec tail value
     intents: set[str] = field(default_factory=set)
     voided: set[str] = field(default_factory=set)
+    unreceived: set[str] = field(default_factory=set)
     lost: list[str] = field(default_factory=list)  # why the rollout is incomplete
     frozen: bool = False
     snapshot_id: str = ""
@@ -44,7 +46,7 @@ class RolloutState:
 
     @property
     def pending_intents(self) -> list[str]:
-        return sorted(self.intents - self.calls.keys() - self.voided)
+        return sorted(self.intents - self.calls.keys() - self.voided - self.unreceived)
 
     @property
     def incomplete(self) -> bool:
@@ -76,6 +78,8 @@ class RolloutState:
             self.intents.add(call)
         elif kind == "void":
             self.voided.add(call)
+        elif kind == "unreceived":
+            self.unreceived.add(call)
         elif kind == "freeze":
             self.frozen = True
             self.snapshot_id = record["snapshot_id"]

@@ -37,6 +37,20 @@ class IntentSink(Protocol):
 
 
 @runtime_checkable
+class ReceiptSink(Protocol):
+    """Optional extension: a durable note that the harness never received a call's reply.
+
+    The front end writes it when the client disconnected before the reply (or the stream's
+    final event) went out, or when it answered 503 because the capture could not be made
+    durable. It resolves the call's intent (not a loss), and the builder leaves the call's
+    entry, if any, out of the rebuild unless a later call extends it. Like a loss mark it
+    is refused after freeze (``RolloutFrozenError``); the caller then records a loss.
+    """
+
+    async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None: ...
+
+
+@runtime_checkable
 class TokenSource(Protocol):
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot: ...
 

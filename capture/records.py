@@ -113,3 +113,6 @@ class TokenCaptureSnapshot:
     version: int = 0
     # Why the rollout is incomplete (lost calls, intents without entries); evidence only.
     incomplete_reasons: tuple[str, ...] = field(default=())
+    # Calls whose reply the harness did not receive (it disconnected, or the front end
+    # answered 503): the builder leaves such a call out unless a later call extends it.
+    unreceived: tuple[str, ...] = field(default=())

@@ -96,6 +96,10 @@ class TokenCaptureStore:
         """Resolve the intent of a call that returned nothing (not a loss)."""
         await self._run(self._intent, rollout_id, model_call_id, "void")
 
+    async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
+        """Note that the harness never received this call's reply; refused after freeze."""
+        await self._run(self._intent, rollout_id, model_call_id, "unreceived")
+
     # -- source -------------------------------------------------------------------------
 
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
@@ -241,7 +245,10 @@ class TokenCaptureStore:
         path = self._path(rollout_id)
         if not model_call_id:
             raise ValueError("model_call_id must not be empty")
-        with locked_log(path, create=kind == "intent", fsync=self.fsync) as log:
+        # A receipt mark may precede a put still in flight (the front end gave up waiting for
+        # it), so it creates the log too.
+        create = kind in ("intent", "unreceived")
+        with locked_log(path, create=create, fsync=self.fsync) as log:
             if log is None:  # voiding a call of a rollout with no log: nothing to resolve
                 return
             state = self._load(rollout_id, log)
@@ -275,6 +282,7 @@ class TokenCaptureStore:
             snapshot_id=state.snapshot_id,
             version=state.version,
             incomplete_reasons=tuple(reasons),
+            unreceived=tuple(sorted(state.unreceived)),
         )
 
     def _read_entries(self, log: LockedLog) -> list[TokenEntry]:
@@ -345,6 +353,7 @@ class TokenCaptureStore:
             "state": status,
             "calls": len(state.calls),
             "pending_intents": len(state.pending_intents),
+            "unreceived": len(state.unreceived),
             "incomplete": state.incomplete,
             "version": state.version,
             "snapshot_id": state.snapshot_id,

@@ -12,10 +12,12 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
+import redis
 
-from capture.errors import RolloutFrozenError
+from capture.errors import ConfigError, RolloutFrozenError
 from tests.fixtures_stores import make_token_entry
 from tests.rollouts import growing_rollout
 from tests.servers import free_port
@@ -197,4 +199,85 @@ async def test_several_writer_processes_on_one_rollout(redis_url, redis_prefix):
         if entry.model_call_id != "common":
             worker, i = entry.model_call_id[1:].split("-")
             assert entry.prompt_token_ids == list(range(900)) + [int(worker), int(i)]
+    await store.close()
+
+
+async def test_more_writers_than_connections_wait_for_one(redis_url, redis_prefix):
+    # redis-py's default pool fails at once when it is exhausted; this one waits its turn.
+    store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, max_connections=4)
+    entries = [make_token_entry(f"crowd-{n % 20}", f"c-{n:03d}") for n in range(300)]
+    await asyncio.gather(*(store.put(entry) for entry in entries))
+    stored = 0
+    for n in range(20):
+        stored += len((await store.freeze(f"crowd-{n}")).entries)
+    assert stored == 300
+    assert len(store._client.connection_pool._in_use_connections) == 0
+    await store.close()
+
+
+async def test_the_wait_for_a_connection_is_bounded(redis_url, redis_prefix):
+    store = RedisTokenStore(
+        url=redis_url,
+        key_prefix=redis_prefix,
+        max_connections=1,
+        pool_timeout_s=0.2,
+        max_retries=1,
+    )
+    await store.check()
+    pool = store._client.connection_pool
+    held = await pool.get_connection()  # the only connection, taken by someone else
+    try:
+        with pytest.raises(RedisUnavailableError, match="No connection available"):
+            await store.put(make_token_entry("starved", "c-1"))
+    finally:
+        await pool.release(held)
+    await store.put(make_token_entry("starved", "c-1"))  # and it recovers once freed
+    await store.close()
+
+
+async def test_a_server_that_comes_back_without_aof_is_refused(redis_server_factory, redis_prefix):
+    server = redis_server_factory()
+    store = RedisTokenStore(
+        url=server.url, key_prefix=redis_prefix, max_retries=1, connect_timeout_s=0.5
+    )
+    await store.put(make_token_entry("reproven", "c-1"))
+    server.kill9()
+    server.options["appendonly"] = "no"
+    server.start()
+    # The store reconnects by itself, and the new connection has to prove durability again.
+    with pytest.raises(ConfigError, match="AOF is off"):
+        await store.put(make_token_entry("reproven", "c-2"))
+    with pytest.raises(ConfigError, match="AOF is off"):
+        await store.mark_incomplete("reproven", "c-2")
+    server.kill9()
+    server.options["appendonly"] = "yes"
+    server.start()
+    await store.put(make_token_entry("reproven", "c-3"))
+    snapshot = await store.freeze("reproven")
+    assert [e.model_call_id for e in snapshot.entries] == ["c-1", "c-3"]
+    await store.close()
+
+
+async def test_a_server_that_comes_back_without_its_replicas_is_refused(
+    redis_server_factory, redis_prefix
+):
+    primary = redis_server_factory()
+    replica = redis_server_factory(replicaof=("127.0.0.1", str(primary.port)))
+    store = RedisTokenStore(
+        url=primary.url,
+        key_prefix=redis_prefix,
+        durability="replicas:1",
+        max_retries=1,
+        connect_timeout_s=0.5,
+    )
+    with redis.Redis.from_url(primary.url) as client:
+        deadline = time.monotonic() + 10
+        while client.wait(1, 100) < 1:  # replication flows once the replica acks
+            assert time.monotonic() < deadline, "replica did not connect"
+    await store.put(make_token_entry("replicated", "c-1"))
+    replica.kill9()
+    primary.kill9()
+    primary.start()
+    with pytest.raises(ConfigError, match="replicas"):
+        await store.put(make_token_entry("replicated", "c-2"))
     await store.close()

@@ -10,13 +10,14 @@ import asyncio
 import pytest
 
 from capture.errors import ConflictingEntryError, InvalidRolloutIdError, RolloutFrozenError
-from capture.protocols import IntentSink, TokenSink, TokenSource
+from capture.protocols import IntentSink, ReceiptSink, TokenSink, TokenSource
 
 INSPECT_KEYS = {
     "rollout_id",
     "state",
     "calls",
     "pending_intents",
+    "unreceived",
     "incomplete",
     "version",
     "snapshot_id",
@@ -30,6 +31,7 @@ async def test_store_satisfies_the_protocols(store):
     assert isinstance(store, TokenSink)
     assert isinstance(store, TokenSource)
     assert isinstance(store, IntentSink)
+    assert isinstance(store, ReceiptSink)
 
 
 async def test_entries_round_trip_exactly_sorted_by_call_id(store, make_entry):
@@ -369,3 +371,36 @@ async def test_void_after_freeze(store, make_entry):
         await store.void_call("void-late", "c-1")
     again = await store.freeze("void-late")
     assert (again.version, again.incomplete) == (snapshot.version, True)
+
+
+async def test_unreceived_resolves_the_intent_and_is_in_the_snapshot(store, make_entry):
+    await store.begin_call("receipt", "c-1")
+    await store.put(make_entry("receipt", "c-1"))
+    await store.begin_call("receipt", "c-2")  # its reply never reached the harness
+    await store.mark_unreceived("receipt", "c-2")
+    await store.mark_unreceived("receipt", "c-1")  # an entry can be unreceived too
+    await store.mark_unreceived("receipt", "c-1")  # idempotent
+    info = await store.inspect("receipt")
+    assert (info["pending_intents"], info["unreceived"]) == (0, 2)
+    snapshot = await store.freeze("receipt")
+    assert snapshot.incomplete is False
+    assert snapshot.unreceived == ("c-1", "c-2")
+    assert [e.model_call_id for e in snapshot.entries] == ["c-1"]
+
+
+async def test_unreceived_before_the_put_still_covers_the_entry(store, make_entry):
+    # The front end gave up waiting for a put that later landed: the mark came first.
+    await store.mark_unreceived("late-put", "c-1")
+    await store.put(make_entry("late-put", "c-1"))
+    snapshot = await store.freeze("late-put")
+    assert snapshot.unreceived == ("c-1",)
+    assert [e.model_call_id for e in snapshot.entries] == ["c-1"]
+
+
+async def test_unreceived_after_freeze_is_refused(store, make_entry):
+    await store.put(make_entry("receipt-late", "c-1"))
+    snapshot = await store.freeze("receipt-late")
+    with pytest.raises(RolloutFrozenError):
+        await store.mark_unreceived("receipt-late", "c-1")
+    again = await store.freeze("receipt-late")
+    assert (again.version, again.unreceived) == (snapshot.version, ())

@@ -27,6 +27,7 @@ FIELDS = (
     "state",
     "calls",
     "pending_intents",
+    "unreceived",
     "prompt_tokens_max",
     "generated_tokens",
     "version",

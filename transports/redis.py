@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -39,6 +37,7 @@ from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.rollout_ids import validate_rollout_id
 from transports import redis_keys as k
 from transports.durability import Durability, check_durability
+from transports.redis_connections import ProvingConnections
 from transports.redis_records import snapshot_of, summary_of
 from transports.redis_watch import Command, execute_raw, watching
 
@@ -90,11 +89,13 @@ class RedisTokenStore:
     or ``client`` (an existing ``redis.asyncio.Redis``, left open on close); ``key_prefix``;
     ``durability`` ("fsync", "replicas:N" or "none"); ``tombstone_ttl_s``; ``evidence_ttl_s``
     (how long a frozen rollout that is never retired, such as a masked one, is kept; None
-    keeps it until ``delete``); socket, connect
-    and durability-wait timeouts; ``max_retries`` on connection errors; ``block_size`` (writers
-    of one rollout share blocks only when they use the same; the payload digest does not
-    depend on it). Nothing
-    connects until first use, so the store can be built outside an event loop.
+    keeps it until ``delete``); socket, connect and durability-wait timeouts; ``max_retries``
+    on connection errors; ``max_connections`` and ``pool_timeout_s`` (a call waits that long
+    for a free connection instead of failing); ``block_size`` (writers of one rollout share
+    blocks only when they use the same; the payload digest does not depend on it). Nothing
+    connects until first use, so the store can be built outside an event loop. Built from a
+    ``url``, every new connection proves durability before it is used
+    (``transports.redis_connections``); a ``client`` passed in is proven once, at start.
     """
 
     def __init__(
@@ -112,6 +113,8 @@ class RedisTokenStore:
         max_retries: int = 3,
         max_watch_retries: int = 200,
         block_size: int = BLOCK_SIZE,
+        max_connections: int = 100,
+        pool_timeout_s: float = 10.0,
     ) -> None:
         if (url is None) == (client is None):
             raise ConfigError("RedisTokenStore needs exactly one of url= or client=")
@@ -124,6 +127,8 @@ class RedisTokenStore:
                 f"client must be a redis.asyncio.Redis (one node, or a proxy in front of a "
                 f"cluster), got {type(client).__name__}"
             )
+        if max_connections < 1 or pool_timeout_s <= 0:
+            raise ConfigError("max_connections must be >= 1 and pool_timeout_s > 0")
         if tombstone_ttl_s <= 0:
             raise ConfigError("tombstone_ttl_s must be > 0")
         if evidence_ttl_s is not None and evidence_ttl_s <= 0:
@@ -144,6 +149,9 @@ class RedisTokenStore:
         self._max_retries = max_retries
         self._max_watch_retries = max_watch_retries
         self._block_size = block_size
+        self._max_connections = max_connections
+        self._pool_timeout_s = pool_timeout_s
+        self._connections: ProvingConnections | None = None  # None for a client passed in
         self._memo = ChainMemo()  # re-encodes only what a rollout's next call adds
         self._lock = asyncio.Lock()
         self._closed = False
@@ -160,13 +168,16 @@ class RedisTokenStore:
             return "redis (not connected yet)"
         return server_name(self._client)
 
-    def _make_client(self) -> aioredis.Redis:
-        # Retries are ours (bounded, per operation); the client's own would hide outages.
-        return aioredis.Redis.from_url(
+    def _make_connections(self) -> ProvingConnections:
+        assert self._url is not None
+        return ProvingConnections(
             self._url,
-            socket_timeout=self._socket_timeout_s,
-            socket_connect_timeout=self._connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            self._chosen,
+            max_connections=self._max_connections,
+            pool_timeout_s=self._pool_timeout_s,
+            socket_timeout_s=self._socket_timeout_s,
+            connect_timeout_s=self._connect_timeout_s,
+            wait_timeout_ms=self._wait_timeout_ms,
         )
 
     async def check(self) -> Durability:
@@ -176,21 +187,33 @@ class RedisTokenStore:
         if self.durability is None:
             async with self._lock:
                 if self.durability is None:
-                    if self._client is None:
-                        self._client = self._make_client()
-                    pool = self._client.connection_pool
+                    self.durability = await self._retrying(self._prove)
+        return self._current_durability()
 
-                    async def execute(*args: Any) -> Any:
-                        return await execute_raw(pool, *args)
+    async def _prove(self) -> Durability:
+        """The first proof: a connection of our own pool proves itself as it opens."""
+        if self._client is None:
+            self._connections = self._make_connections()
+            self._client = self._connections.client
+        pool = self._client.connection_pool
+        if self._connections is not None and self._chosen.mode != "none":
+            connection = await pool.get_connection()
+            await pool.release(connection)
+            assert self._connections.durability is not None
+            return self._connections.durability
 
-                    self.durability = await self._retrying(
-                        lambda: check_durability(
-                            execute,
-                            self._chosen,
-                            where=self.where,
-                            wait_timeout_ms=self._wait_timeout_ms,
-                        )
-                    )
+        async def execute(*args: Any) -> Any:
+            return await execute_raw(pool, *args)
+
+        return await check_durability(
+            execute, self._chosen, where=self.where, wait_timeout_ms=self._wait_timeout_ms
+        )
+
+    def _current_durability(self) -> Durability:
+        """What the latest connection proved (a server may come back configured otherwise)."""
+        if self._connections is not None and self._connections.durability is not None:
+            return self._connections.durability
+        assert self.durability is not None
         return self.durability
 
     start = check
@@ -229,7 +252,7 @@ class RedisTokenStore:
         decide: Callable[[str, list[Any]], Plan],
     ) -> Any:
         """WATCH the rollout, read, decide, and commit the decision atomically."""
-        durability = await self.check()
+        await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
 
         async def attempt() -> Plan | None:
@@ -237,6 +260,9 @@ class RedisTokenStore:
                 plan = decide(key, await watch.read(*reads(key)))
                 if not plan.writes:
                     return plan
+                # Read after the connection proved itself, so a restarted server's own
+                # guarantee is the one waited for.
+                durability = self._current_durability()
                 committed = await watch.commit(plan.writes, after=durability.wait)
             if committed is None:
                 # Lost the race: another writer changed this rollout after our WATCH, so
@@ -308,7 +334,7 @@ class RedisTokenStore:
                 # The same payload again. Its first write may have lost its connection before
                 # the durability wait answered, so where a wait proves durability, rewrite one
                 # unchanged field: waiting for that later write covers the earlier one.
-                if self.durability is not None and self.durability.wait:
+                if self._current_durability().wait:
                     return Plan(writes=[("HSET", key, k.EPOCH, seen_epoch)])
                 return Plan()
             if stored_digest is not None:
@@ -417,6 +443,29 @@ class RedisTokenStore:
     async def void_call(self, rollout_id: str, model_call_id: str) -> None:
         """Resolve a pending intent of a call that returned nothing (not a loss)."""
         await self._intent(rollout_id, model_call_id, k.INTENT_VOID)
+
+    async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
+        """Note that the harness never received this call's reply; refused after freeze."""
+        if not isinstance(model_call_id, str) or not model_call_id:
+            raise ValueError("model_call_id must be a non-empty string")
+        mark = k.field(k.UNRECEIVED, model_call_id)
+
+        def decide(key: str, replies: list[Any]) -> Plan:
+            version, frozen, current = replies[0]
+            if frozen == b"1":
+                return Plan(
+                    error=RolloutFrozenError(
+                        f"rollout {rollout_id} is frozen; the note that call {model_call_id} "
+                        "went unreceived is too late"
+                    )
+                )
+            if current is not None:
+                return Plan()
+            return Plan(writes=[("HSET", key, mark, 1, k.VERSION, _int(version) + 1)])
+
+        await self._transact(
+            rollout_id, lambda key: [("HMGET", key, k.VERSION, k.FROZEN, mark)], decide
+        )
 
     # -- source --------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ ENTRY = "e:"  # e:<model_call_id> -> the codec body
 DIGEST = "d:"  # d:<model_call_id> -> payload digest (idempotency check)
 INTENT = "i:"  # i:<model_call_id> -> OPEN or VOID
 MARK = "m:"  # m:<model_call_id> -> why the call was lost ("" call id: the rollout as a whole)
+UNRECEIVED = "u:"  # u:<model_call_id> -> 1: the harness never received this call's reply
 BLOCK = "b:"  # b:<block name> -> a stored block of the codec (see capture.blocks)
 TAIL = "t:"  # t:<parent block name> -> the codec tail: the partial block a later call may extend
 

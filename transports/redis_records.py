@@ -17,7 +17,8 @@ from transports import redis_keys as k
 
 def split(fields: dict[bytes, bytes]) -> dict[str, dict[str, bytes]]:
     """The hash's per-call and per-block fields, by kind, keyed by call id or block name."""
-    kinds: dict[str, dict[str, bytes]] = {kind: {} for kind in (k.ENTRY, k.INTENT, k.MARK, k.BLOCK)}
+    names = (k.ENTRY, k.INTENT, k.MARK, k.BLOCK, k.UNRECEIVED)
+    kinds: dict[str, dict[str, bytes]] = {kind: {} for kind in names}
     for name, value in fields.items():
         kind, rest = k.split_field(name)
         if kind in kinds:
@@ -27,6 +28,16 @@ def split(fields: dict[bytes, bytes]) -> dict[str, dict[str, bytes]]:
 
 def _flag(fields: dict[bytes, bytes], name: str) -> bool:
     return fields.get(name.encode()) == b"1"
+
+
+def _pending(kinds: dict[str, dict[str, bytes]]) -> list[str]:
+    """Calls with an open intent, no entry, and no note that the reply went unreceived."""
+    settled = kinds[k.ENTRY].keys() | kinds[k.UNRECEIVED].keys()
+    return sorted(
+        call_id
+        for call_id, value in kinds[k.INTENT].items()
+        if value == k.INTENT_OPEN and call_id not in settled
+    )
 
 
 def snapshot_of(
@@ -40,11 +51,7 @@ def snapshot_of(
         f"call {call_id or '(rollout)'}: {reason.decode()}"
         for call_id, reason in sorted(kinds[k.MARK].items())
     ]
-    pending = sorted(
-        call_id
-        for call_id, value in kinds[k.INTENT].items()
-        if value == k.INTENT_OPEN and call_id not in bodies
-    )
+    pending = _pending(kinds)
     reasons += [f"call {call_id}: intent without entry" for call_id in pending]
     retired = _flag(fields, k.RETIRED)
     if retired:  # its entries are gone, so it can no longer be rebuilt
@@ -56,13 +63,14 @@ def snapshot_of(
         snapshot_id=snapshot_id,
         version=version,
         incomplete_reasons=tuple(reasons),
+        unreceived=tuple(sorted(kinds[k.UNRECEIVED])),
     )
 
 
 def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
     kinds = split(fields)
     bodies = kinds[k.ENTRY]
-    pending = [c for c, v in kinds[k.INTENT].items() if v == k.INTENT_OPEN and c not in bodies]
+    pending = _pending(kinds)
     prompt_max, generated = 0, 0
     for body in bodies.values():
         data = read_body(body)
@@ -83,6 +91,7 @@ def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
         "state": state,
         "calls": len(bodies),
         "pending_intents": len(pending),
+        "unreceived": len(kinds[k.UNRECEIVED]),
         "incomplete": _flag(fields, k.INCOMPLETE),  # marked lost; pending intents aside
         "version": int(fields.get(k.VERSION.encode()) or 0),
         "snapshot_id": snapshot_id.decode() if snapshot_id else "",
