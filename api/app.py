@@ -231,6 +231,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             model=settings.model,
             sampling_overrides=settings.sampling_overrides,
             timeout_s=settings.upstream_timeout_s,
+            vocab_size=settings.vocab_size,
         )
         previous = install_token_sink(sink) if owned else None
         try:

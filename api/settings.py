@@ -39,6 +39,7 @@ class ModelServerBlock(BaseModel):
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
+    vocab_size: int | None = Field(default=None, gt=0)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class ServerSettings:
     sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     upstream_timeout_s: float = 600.0
+    # The model's vocabulary size; when set, an upstream id at or beyond it is not captured.
+    vocab_size: int | None = None
     capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
     sink_factory: Callable[[], Any] | None = None
 

@@ -254,7 +254,9 @@ def _tampered(data: dict) -> dict:
 
 
 def test_upstream_without_return_token_ids_falls_back_to_tokenize(tmp_path: Path) -> None:
-    with engine_server() as engine, proxy(engine, _without_return_token_ids, lambda d: d) as old:
+    # The engine says it is a vLLM before 0.10.2 at /version; only then is /tokenize trusted.
+    legacy = engine_server(token_id_fields=False)
+    with legacy as engine, proxy(engine, _without_return_token_ids, lambda d: d) as old:
         with front_end(file_store_settings(old, tmp_path)) as front:
             base = f"{front}/ng-rollout/old-vllm/training-token-capture"
             anthropic_client(base).messages.create(

@@ -35,6 +35,9 @@ from .template import messages_from_prompt, tools_from_prompt
 
 _STATUSES = {status.value for status in HTTPStatus}
 VLLM_VERSION = "0.10.2"  # the vLLM release whose OpenAI server shapes this engine follows
+# What /version says while token_id_fields is off: a vLLM from before return_token_ids, so a
+# client reading the version (api.upstream) takes the engine for the old one it emulates.
+LEGACY_VLLM_VERSION = "0.10.1"
 
 
 def error_response(message: str, status: int = 400, kind: str = "BadRequestError") -> JSONResponse:
@@ -110,7 +113,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": VLLM_VERSION}
+        return {"version": VLLM_VERSION if settings.token_id_fields else LEGACY_VLLM_VERSION}
 
     @app.get("/v1/models")
     async def models() -> dict:
