@@ -12,9 +12,12 @@ unresolved and the rollout is masked.
 Chains are root-to-leaf paths, computed in one forward pass (no recursion, so 10,000-turn
 rollouts are fine); a chain through a quarantined call is flagged, and the rollout is
 masked when that chain is the one delivered. The main chain is the one whose leaf produced
-the harness's final answer, when exactly one leaf matches; otherwise the earliest root (by
-``created_at``, then call id) and its longest path. Other chains (titles, compaction
-summaries, sub-agents) are reported, never silently dropped.
+the harness's final answer, when exactly one leaf matches; a final answer that matches no
+leaf (or several) masks the rollout. Without a final answer the only root's longest path is
+delivered, and several roots mask the rollout: a stranger's call or a title call must never
+become the delivered chain by arriving first. Other chains (titles, compaction summaries,
+sub-agents) are reported, never silently dropped. A call whose reply the harness never
+received (``snapshot.unreceived``) is left out unless a later call extends it, and counted.
 
 Full sequences are indexed by their first tokens and by length, and a prompt tries the
 longest candidate lengths first, so an ordinary chain finds its parent with one comparison
@@ -58,11 +61,12 @@ class BuildResult:
     n_calls: int
     parents: dict[str, str | None]
     main_chain: tuple[str, ...]
-    main_chain_by: str  # "final_answer", "earliest_root", or "" when nothing is delivered
+    main_chain_by: str  # "final_answer", "only_root", or "" when nothing is delivered
     chains: tuple[ChainInfo, ...]
     roots: tuple[str, ...]
     quarantined: tuple[str, ...]
     empty_generation: tuple[str, ...]
+    unreceived: tuple[str, ...]  # left out: the harness never got them and nothing extends them
     discarded_retries: tuple[str, ...]
     unresolved_retries: tuple[tuple[str, ...], ...]
     generated_tokens_captured: int
@@ -100,6 +104,7 @@ class BuildResult:
             "generated_tokens_captured": self.generated_tokens_captured,
             "generated_tokens_delivered": self.generated_tokens_delivered,
             "empty_generation_calls": len(self.empty_generation),
+            "unreceived_calls": len(self.unreceived),
             "main_chain_calls": len(self.main_chain),
             "main_chain_by": self.main_chain_by,
             "discarded_retries": len(self.discarded_retries),
@@ -255,6 +260,9 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
         (e for e in entries if e.generation_token_ids),
         key=lambda e: (len(e.prompt_token_ids), e.model_call_id),
     )
+    calls, unreceived = _without_unreceived(
+        calls, set(getattr(entries_or_snapshot, "unreceived", ()))
+    )
     ids = [call.model_call_id for call in calls]
     parents, ambiguous = _link(calls)
 
@@ -293,7 +301,7 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
     )
     leaves = [position for position in kept if not has_child[position]]
 
-    main_leaf, main_by = _main_leaf(calls, ids, leaves, roots, root_of, final_answer)
+    main_leaf, main_by, unmatched = _main_leaf(calls, ids, leaves, roots, root_of, final_answer)
     main_path: list[int] = []
     position = main_leaf
     while position is not None:
@@ -319,6 +327,8 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
         reasons.append("nothing recorded: the rollout has no entries")
     elif not calls:
         reasons.append("no call generated any tokens")
+    elif unmatched:
+        reasons.append(unmatched)
     for group in unresolved:
         reasons.append(
             f"unresolved retry: calls {', '.join(group)} share a prompt and none was extended"
@@ -344,6 +354,7 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
         roots=tuple(ids[root] for root in roots),
         quarantined=tuple(sorted(ids[p] for p in range(len(calls)) if ambiguous[p])),
         empty_generation=empty,
+        unreceived=unreceived,
         discarded_retries=tuple(sorted(ids[position] for position in discarded)),
         unresolved_retries=tuple(sorted(unresolved)),
         generated_tokens_captured=sum(len(e.generation_token_ids) for e in entries),
@@ -354,6 +365,28 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
     )
 
 
+def _without_unreceived(
+    calls: list[TokenEntry], unreceived: set[str]
+) -> tuple[list[TokenEntry], tuple[str, ...]]:
+    """Calls without the unreceived ones that no kept call extends, and the ids left out.
+
+    Children sort after their parents, so one backward pass settles every call: an
+    unreceived call is kept only if one of its kept children extends it.
+    """
+    if not unreceived.intersection(call.model_call_id for call in calls):
+        return calls, ()
+    parents, _ = _link(calls)
+    extended = [False] * len(calls)
+    dropped: set[int] = set()
+    for position in range(len(calls) - 1, -1, -1):
+        if calls[position].model_call_id in unreceived and not extended[position]:
+            dropped.add(position)
+        elif parents[position] is not None:
+            extended[parents[position]] = True
+    kept = [call for position, call in enumerate(calls) if position not in dropped]
+    return kept, tuple(sorted(calls[position].model_call_id for position in dropped))
+
+
 def _main_leaf(
     calls: list[TokenEntry],
     ids: list[str],
@@ -361,22 +394,29 @@ def _main_leaf(
     roots: list[int],
     root_of: list[int],
     final_answer: Any,
-) -> tuple[int | None, str]:
-    """The leaf that produced the final answer, else the earliest root's longest path."""
+) -> tuple[int | None, str, str]:
+    """The leaf that produced the final answer, else the only root's longest path.
+
+    Returns (leaf, how it was chosen, why none could be): a final answer that matches no
+    leaf, or several, and several roots without a final answer, choose nothing.
+    """
     wanted = answer_signature(final_answer)
     if wanted is not None:
         matches = [leaf for leaf in leaves if answer_signature(calls[leaf].output_items) == wanted]
         if len(matches) == 1:
-            return matches[0], "final_answer"
+            return matches[0], "final_answer", ""
+        if not matches:
+            return None, "", "final answer matches no captured call"
+        return None, "", f"final answer matches {len(matches)} captured calls"
     if not roots:
-        return None, ""
-    first = roots[0]
-    under = [leaf for leaf in leaves if root_of[leaf] == first]
+        return None, "", ""
+    if len(roots) > 1:
+        return None, "", f"no final answer to choose among {len(roots)} roots"
     longest = max(
-        under,
+        leaves,
         key=lambda leaf: (
             len(calls[leaf].prompt_token_ids) + len(calls[leaf].generation_token_ids),
             ids[leaf],
         ),
     )
-    return longest, "earliest_root"
+    return longest, "only_root", ""

@@ -101,7 +101,7 @@ def test_linear_chain_links_each_call_to_the_previous_one():
         "c004": "c003",
     }
     assert build.main_chain == tuple(e.model_call_id for e in calls)
-    assert build.main_chain_by == "earliest_root"
+    assert build.main_chain_by == "only_root"
     assert len(build.chains) == 1 and build.chains[0].main
     assert build.roots == ("c000",)
     assert not build.masked
@@ -199,21 +199,19 @@ def test_a_title_call_is_an_extra_root_reported_but_not_masked():
     assert [chain.leaf for chain in build.chains if not chain.main] == ["title"]
 
 
-def test_without_a_final_answer_the_earliest_root_is_main():
-    title = entry("title", [50, 51, 52], [53, 54], text="Fix the bug", created_at=100.0)
+def test_without_a_final_answer_only_a_single_root_is_delivered():
     calls = chain_entries(3)
-    build = run_builder([title, *calls])
-    assert build.main_chain_by == "earliest_root"
-    assert build.main_chain[0] == "c000"
-    # An earlier title call wins the fallback; the final answer is what prevents that.
-    early = entry("title", [50, 51, 52], [53, 54], text="Fix the bug", created_at=-5.0)
-    assert run_builder([early, *calls]).main_chain == ("title",)
-
-
-def test_equal_created_at_falls_back_to_call_id():
-    one = chain_entries(2, prefix="b", system=[5, 6])
-    two = chain_entries(2, prefix="a", system=[7, 8])
-    assert run_builder(one + two).main_chain == ("a000", "a001")
+    build = run_builder(calls)
+    assert (build.main_chain_by, build.main_chain) == ("only_root", ("c000", "c001", "c002"))
+    assert not build.masked
+    # A title call (or a stranger's call to the rollout) is a second root: which chain is
+    # the rollout cannot be told without the final answer, whatever arrived first.
+    for created_at in (-5.0, 100.0):
+        title = entry("title", [50, 51, 52], [53, 54], text="Fix the bug", created_at=created_at)
+        build = run_builder([title, *calls])
+        assert build.masked and build.main_chain == ()
+        assert build.mask_reasons == ("no final answer to choose among 2 roots",)
+        assert build.generated_tokens_delivered == 0 and build.output == ()
 
 
 def test_a_compaction_summary_chain_is_reported_and_the_answer_chain_delivered():
@@ -232,13 +230,13 @@ def test_a_compaction_summary_chain_is_reported_and_the_answer_chain_delivered()
     assert not build.masked
 
 
-def test_an_answer_two_leaves_produced_falls_back_to_the_earliest_root():
+def test_an_answer_two_leaves_produced_masks_the_rollout():
     first = chain_entries(2, prefix="a", system=[5, 6])
     second = chain_entries(2, prefix="b", system=[7, 8], created_at=10)
     second[-1].output_items = [message("a says 1")]  # both leaves said the same thing
     build = run_builder(first + second, final_answer=[message("a says 1")])
-    assert build.main_chain_by == "earliest_root"
-    assert build.main_chain == ("a000", "a001")
+    assert build.masked and build.main_chain == ()
+    assert build.mask_reasons == ("final answer matches 2 captured calls",)
 
 
 def test_final_answer_matching_ignores_whitespace_and_json_key_order():
@@ -442,5 +440,53 @@ def test_a_chat_shaped_final_answer_matches_a_responses_leaf():
     ]
     assert run_builder(side + main, final_answer=chat_answer).main_chain[0] == "c000"
     assert run_builder(side + main, final_answer=message("c  says 1")).main_chain[0] == "c000"
-    # An answer no leaf produced falls back to the earliest root.
-    assert run_builder(side + main, final_answer="something else").main_chain[0] == "z000"
+    # An answer no leaf produced delivers nothing: the call that produced it was not captured.
+    unmatched = run_builder(side + main, final_answer="something else")
+    assert unmatched.masked and unmatched.main_chain == ()
+    assert unmatched.mask_reasons == ("final answer matches no captured call",)
+
+
+# Calls whose reply the harness never received (the client went away, or got a 503). ------
+
+
+def unreceived_snapshot(entries: list[TokenEntry], unreceived: tuple[str, ...]) -> Any:
+    return TokenCaptureSnapshot(rollout_id="r1", entries=tuple(entries), unreceived=unreceived)
+
+
+def test_an_unreceived_last_call_is_left_out_and_counted():
+    calls = chain_entries(4)
+    build = run_builder(unreceived_snapshot(calls, ("c003",)), final_answer=[message("c says 2")])
+    assert not build.masked, build.mask_reasons
+    assert build.main_chain == ("c000", "c001", "c002")
+    assert build.unreceived == ("c003",) and build.metrics()["unreceived_calls"] == 1
+    assert build.generated_tokens_delivered == 6
+    # Without the note, the same answer matches no leaf: the rollout is masked, never
+    # delivered with a call the harness did not see.
+    assert run_builder(calls, final_answer=[message("c says 2")]).masked
+
+
+def test_an_unreceived_call_a_later_call_extends_is_kept():
+    calls = chain_entries(4)
+    build = run_builder(unreceived_snapshot(calls, ("c001",)), final_answer=[message("c says 3")])
+    assert build.main_chain == ("c000", "c001", "c002", "c003")
+    assert build.unreceived == () and not build.masked
+
+
+def test_an_unreceived_call_beside_its_retry_is_no_unresolved_retry():
+    calls = chain_entries(3)
+    orphan = entry("c002x", calls[2].prompt_token_ids, fresh(2), text="never seen")
+    snapshot = unreceived_snapshot([*calls, orphan], ("c002x",))
+    build = run_builder(snapshot, final_answer=[message("c says 2")])
+    assert not build.masked, build.mask_reasons
+    assert build.main_chain == ("c000", "c001", "c002") and build.unreceived == ("c002x",)
+    # Unnoted, the two siblings are an unresolved retry and the rollout is masked.
+    assert run_builder([*calls, orphan], final_answer=[message("c says 2")]).masked
+
+
+def test_a_chain_of_unreceived_calls_is_left_out_whole():
+    calls = chain_entries(5)
+    build = run_builder(
+        unreceived_snapshot(calls, ("c003", "c004")), final_answer=[message("c says 2")]
+    )
+    assert build.main_chain == ("c000", "c001", "c002")
+    assert build.unreceived == ("c003", "c004")
