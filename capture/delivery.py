@@ -8,6 +8,12 @@ a trainer loop must not die on one bad rollout. It never retires either: the sna
 dropped only by ``retire_rollout_token_capture``, after the caller made the result durable,
 and only for a successful build, so a crash in between loses nothing.
 
+The record's shape is checked before anything is frozen: a record that cannot be rebuilt
+(not a mapping, no rollout id, no response object, an output that is not a list) leaves the
+rollout open, so a later valid record of the same rollout still gets the real build. Every
+failure says its kind (``RolloutBuild.error_kind``), so a caller can tell a bad record from
+a source that could not be reached (worth retrying) from a failed build.
+
 A masked record keeps its original output: its tokens are excluded from the loss, and a
 partial chain presented as the transcript would only mislead.
 """
@@ -18,10 +24,10 @@ import inspect
 import logging
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from capture.builder import BuildResult, run_builder
-from capture.errors import TokenCaptureError
+from capture.errors import InvalidRolloutIdError, TokenCaptureError
 from capture.records import TOKEN_FIELDS, TokenCaptureSnapshot
 from capture.rollout_ids import rollout_id_from_run_body, validate_rollout_id
 
@@ -31,9 +37,26 @@ METRICS_KEY = "_ng_token_capture"
 MASK_KEY = "mask_sample"
 
 
+ErrorKind = Literal["record", "source", "build"]
+
+
+class MalformedRecordError(TokenCaptureError, ValueError):
+    """The rollout record cannot be rebuilt, whatever the capture holds."""
+
+
+class SourceUnavailableError(TokenCaptureError):
+    """The source could not be reached to freeze the rollout; a later attempt may work."""
+
+
 @dataclass(frozen=True)
 class RolloutBuild:
-    """What finalize did; ``(snapshot_id, version)`` names the snapshot retire may drop."""
+    """What finalize did; ``(snapshot_id, version)`` names the snapshot retire may drop.
+
+    ``error_kind`` says why a build failed, so a caller acts on it without guessing:
+    ``"record"`` (the record itself cannot be rebuilt; nothing was frozen), ``"source"``
+    (the source could not be reached; nothing is known about the capture) or ``"build"``
+    (anything else; the snapshot, if any, is kept as evidence). None when nothing failed.
+    """
 
     rollout_id: str | None
     snapshot_id: str = ""
@@ -43,6 +66,7 @@ class RolloutBuild:
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     skipped: bool = False  # the record already carried token ids and was left alone
+    error_kind: ErrorKind | None = None
 
 
 def empty_metrics() -> dict[str, Any]:
@@ -83,6 +107,65 @@ def _mark(result: Any, masked: bool, metrics: dict[str, Any]) -> None:
         result[MASK_KEY] = masked or result.get(MASK_KEY) is True
 
 
+def check_record(result: Any) -> list[Any]:
+    """The record's ``response.output``, or MalformedRecordError saying what is wrong.
+
+    Checked before freeze: a record that cannot take a rebuilt output must not stop the
+    rollout's writes or name its snapshot, because a valid record may still come for it.
+    """
+    if not isinstance(result, MutableMapping):
+        raise MalformedRecordError(
+            f"the rollout record must be a mutable mapping, got {type(result).__name__}"
+        )
+    response = result.get("response")
+    if not isinstance(response, MutableMapping):
+        kind = type(response).__name__
+        raise MalformedRecordError(f"the record has no response object to rebuild ({kind})")
+    output = response.get("output")
+    if not isinstance(output, list):
+        raise MalformedRecordError(
+            f"the record's response.output must be a list, got {type(output).__name__}"
+        )
+    return output
+
+
+def record_rollout_id(result: Mapping[str, Any], rollout_id: str | None = None) -> str:
+    """The rollout a record belongs to (the explicit argument wins).
+
+    An invalid id raises InvalidRolloutIdError, a missing one MalformedRecordError; both
+    are record errors.
+    """
+    if rollout_id is not None:
+        return validate_rollout_id(rollout_id)
+    found = rollout_id_from_run_body(result)
+    if found is None:
+        raise MalformedRecordError(
+            "the record names no rollout id (_ng_rollout_id, or _ng_task_index and "
+            "_ng_rollout_index)"
+        )
+    return found
+
+
+async def _freeze(source: Any, rollout_id: str) -> TokenCaptureSnapshot:
+    """Freeze through the source; an unreachable source becomes SourceUnavailableError.
+
+    Only errors that say the source could not answer (connection, timeout, OS errors) are
+    transient; anything else the source raises is a failed build, kept as evidence.
+    """
+    try:
+        return await _maybe_await(source.freeze(rollout_id))
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        raise SourceUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _error_kind(exc: Exception) -> ErrorKind:
+    if isinstance(exc, (MalformedRecordError, InvalidRolloutIdError)):
+        return "record"
+    if isinstance(exc, SourceUnavailableError):
+        return "source"
+    return "build"
+
+
 async def finalize_rollout_token_capture(
     result: Any, source: Any, *, rollout_id: str | None = None
 ) -> RolloutBuild:
@@ -90,24 +173,12 @@ async def finalize_rollout_token_capture(
     metrics = empty_metrics()
     snapshot: TokenCaptureSnapshot | None = None
     try:
-        if not isinstance(result, MutableMapping):
-            raise TypeError(f"the rollout record must be a mutable mapping, got {type(result)}")
-        response = result.get("response")
-        output = response.get("output") if isinstance(response, Mapping) else None
+        output = check_record(result)
         if carries_token_ids(output):
             return RolloutBuild(rollout_id=rollout_id, skipped=True)
+        rollout_id = record_rollout_id(result, rollout_id)
 
-        if rollout_id is not None:
-            rollout_id = validate_rollout_id(rollout_id)
-        else:
-            rollout_id = rollout_id_from_run_body(result)
-            if rollout_id is None:
-                raise TokenCaptureError(
-                    "the record names no rollout id (_ng_rollout_id, or _ng_task_index and "
-                    "_ng_rollout_index)"
-                )
-
-        snapshot = await _maybe_await(source.freeze(rollout_id))
+        snapshot = await _freeze(source, rollout_id)
         metrics["capture_incomplete"] = bool(snapshot.incomplete)
         build = run_builder(snapshot, final_answer=output)
         if build.rollout_id != rollout_id:
@@ -119,9 +190,7 @@ async def finalize_rollout_token_capture(
         metrics["mask_reasons"] = reasons
         masked = bool(reasons)
         if not masked:
-            if not isinstance(response, MutableMapping):
-                raise TokenCaptureError("the record has no response object to rebuild")
-            response["output"] = list(build.output)
+            result["response"]["output"] = list(build.output)
         _mark(result, masked, metrics)
         return RolloutBuild(
             rollout_id=rollout_id,
@@ -132,19 +201,32 @@ async def finalize_rollout_token_capture(
             metrics=metrics,
         )
     except Exception as exc:  # finalize never raises: the error is a masked record
-        error = f"{type(exc).__name__}: {exc}"
-        log.warning("token capture of rollout %s not delivered: %s", rollout_id, error)
-        metrics["error"] = error
-        metrics["mask_reasons"] = [f"build error: {error}"]
-        _mark(result, True, metrics)
-        return RolloutBuild(
-            rollout_id=rollout_id if isinstance(rollout_id, str) else None,
-            snapshot_id=snapshot.snapshot_id if snapshot is not None else "",
-            version=snapshot.version if snapshot is not None else 0,
-            masked=True,
-            metrics=metrics,
-            error=error,
-        )
+        return _failed(result, rollout_id, snapshot, metrics, exc)
+
+
+def _failed(
+    result: Any,
+    rollout_id: Any,
+    snapshot: TokenCaptureSnapshot | None,
+    metrics: dict[str, Any],
+    exc: Exception,
+) -> RolloutBuild:
+    """The masked build of a failure, with its kind; the snapshot (if any) stays as it is."""
+    error = f"{type(exc).__name__}: {exc}"
+    kind = _error_kind(exc)
+    log.warning("token capture of rollout %s not delivered (%s): %s", rollout_id, kind, error)
+    metrics["error"] = error
+    metrics["mask_reasons"] = [f"{kind} error: {error}"]
+    _mark(result, True, metrics)
+    return RolloutBuild(
+        rollout_id=rollout_id if isinstance(rollout_id, str) else None,
+        snapshot_id=snapshot.snapshot_id if snapshot is not None else "",
+        version=snapshot.version if snapshot is not None else 0,
+        masked=True,
+        metrics=metrics,
+        error=error,
+        error_kind=kind,
+    )
 
 
 def _mask_reasons(snapshot: TokenCaptureSnapshot, build: BuildResult) -> list[str]:

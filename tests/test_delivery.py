@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
 
 from capture.delivery import (
     METRICS_KEY,
+    MalformedRecordError,
     MaskFractionExceeded,
     MaskFractionGuard,
+    check_record,
     finalize_rollout_token_capture,
     retire_rollout_token_capture,
 )
-from capture.errors import RolloutFrozenError
+from capture.errors import RolloutFrozenError, SchemaVersionError
 from capture.projection import flat_ids_and_mask, is_contiguous
+from capture.records import TokenCaptureSnapshot
 from tests.test_builder import chain_entries, entry, fresh, full, message
 
 METRIC_KEYS = {
@@ -274,7 +278,7 @@ async def test_finalize_never_raises():
     source = RaisingSource()
     record = run_record("r-down", "x")
     built = await finalize_rollout_token_capture(record, source)
-    assert built.masked and "ConnectionError" in built.error
+    assert built.masked and "ConnectionError" in built.error and built.error_kind == "source"
     assert record["mask_sample"] is True and record[METRICS_KEY]["capture_incomplete"] is None
     assert await retire_rollout_token_capture("r-down", source, built) is False
     assert source.drops == 0
@@ -285,6 +289,92 @@ async def test_finalize_never_raises():
     ):
         built = await finalize_rollout_token_capture(odd_record, odd_source)
         assert built.masked and built.error
+
+
+def test_check_record_names_what_keeps_a_record_from_a_rebuild():
+    good = run_record("r-shape", "x")
+    assert check_record(good) is good["response"]["output"]
+    assert check_record({"response": {"output": []}}) == []  # the rollout id is checked apart
+    bad = {
+        "a string": ("not a record", "mutable mapping, got str"),
+        "a list": ([{"response": {}}], "mutable mapping, got list"),
+        "no response": ({"_ng_rollout_id": "r"}, "no response object to rebuild (NoneType)"),
+        "response text": ({"response": "done"}, "no response object to rebuild (str)"),
+        "output text": ({"response": {"output": "done"}}, "output must be a list, got str"),
+        "no output": ({"response": {"id": "resp_1"}}, "output must be a list, got NoneType"),
+        "output object": ({"response": {"output": {}}}, "output must be a list, got dict"),
+    }
+    for name, (record, message_part) in bad.items():
+        with pytest.raises(MalformedRecordError, match=re.escape(message_part)):
+            check_record(record)
+        assert isinstance(check_record(run_record(name, "x")), list)
+
+
+MALFORMED_RECORDS = {
+    "response text": lambda rid: {"_ng_rollout_id": rid, "response": "done"},
+    "output text": lambda rid: {"_ng_rollout_id": rid, "response": {"output": "done"}},
+    "output missing": lambda rid: {"_ng_rollout_id": rid, "response": {"id": "resp_1"}},
+    "no rollout id": lambda rid: {"response": {"output": [message("c says 1")]}},
+    "invalid rollout id": lambda rid: run_record(rid + " x", "c says 1"),
+}
+
+
+@pytest.mark.parametrize("shape", list(MALFORMED_RECORDS))
+async def test_a_malformed_record_is_a_record_error_and_freezes_nothing(store, shape):
+    calls = chain_entries(2, rollout_id="r-poison")
+    await record_calls(store, calls)
+    record = MALFORMED_RECORDS[shape]("r-poison")
+    built = await finalize_rollout_token_capture(record, store)
+    assert built.error_kind == "record" and built.error
+    assert built.masked and not built.ok and not built.snapshot_id and built.version == 0
+    assert record["mask_sample"] is True and record[METRICS_KEY]["error"] == built.error
+    assert await retire_rollout_token_capture("r-poison", store, built) is False
+    # Nothing was frozen: the rollout still takes writes, and a valid record gets the build.
+    assert (await store.inspect("r-poison"))["state"] == "open"
+    await store.put(entry("late", full(calls[-1]), fresh(2), rollout_id="r-poison"))
+    valid = run_record("r-poison", "late")
+    rebuilt = await finalize_rollout_token_capture(valid, store)
+    assert rebuilt.ok and rebuilt.error_kind is None and valid["mask_sample"] is False
+
+
+class BrokenSnapshotSource:
+    """A reachable source whose freeze fails for a reason retrying does not cure."""
+
+    def __init__(self, error: Exception | None = None, snapshot: Any = None) -> None:
+        self.error = error
+        self.snapshot = snapshot
+
+    async def freeze(self, rollout_id: str) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.snapshot
+
+
+async def test_error_kind_tells_the_source_from_the_build(store):
+    calls = chain_entries(2, rollout_id="r-kind")
+    await record_calls(store, calls)
+    built = await finalize_rollout_token_capture(run_record("r-kind", "c says 1"), store)
+    assert built.ok and built.error is None and built.error_kind is None
+    lossy = chain_entries(2, rollout_id="r-kind-lossy")
+    await record_calls(store, lossy, skip={lossy[0].model_call_id})
+    masked = await finalize_rollout_token_capture(run_record("r-kind-lossy", "c says 1"), store)
+    assert masked.masked and masked.error is None and masked.error_kind is None  # not an error
+
+    for unreachable in (ConnectionError("refused"), TimeoutError("slow"), OSError("reset")):
+        down = await finalize_rollout_token_capture(
+            run_record("r-down", "x"), BrokenSnapshotSource(unreachable)
+        )
+        assert down.error_kind == "source" and type(unreachable).__name__ in down.error
+    newer = SchemaVersionError("written by a newer tokcap")
+    refused = await finalize_rollout_token_capture(
+        run_record("r-new", "x"), BrokenSnapshotSource(newer)
+    )
+    assert refused.error_kind == "build" and "newer tokcap" in refused.error
+    stranger = TokenCaptureSnapshot(rollout_id="someone-else", entries=(), snapshot_id="s")
+    wrong = await finalize_rollout_token_capture(
+        run_record("r-wrong", "x"), BrokenSnapshotSource(snapshot=stranger)
+    )
+    assert wrong.error_kind == "build" and "someone-else" in wrong.error
 
 
 def test_mask_fraction_guard_waits_for_min_samples_then_raises():

@@ -5,6 +5,11 @@ reads them in its own consumer group with ``ResultsReader`` and acknowledges a r
 when its own handoff is durable; an unacknowledged record is delivered again (to the same
 consumer after a restart, or to another one after ``claim_idle_ms``).
 
+A result can supersede an earlier one of the same rollout: when a late loss mark changed the
+snapshot after its result was published, the worker publishes the rebuilt record with a
+``supersedes`` field naming the earlier result id, and ``decode_result`` puts it on the record
+as ``_ng_supersedes``. The newer result is authoritative (see the README's trainer section).
+
 On the wire a token-bearing item whose ``prompt_token_ids`` extends the previous item's
 prompt + generation stores only the new tail, so a result grows with the final context,
 not with turns x context. ``decode_result`` restores the exact arrays.
@@ -25,6 +30,8 @@ from transports.queue import DEFAULT_RESULTS_STREAM
 from transports.redis_keys import as_text
 
 RESULT_ID_KEY = "_ng_result_id"
+SUPERSEDES_KEY = "_ng_supersedes"  # on a decoded record: the result id this one replaces
+SUPERSEDES_FIELD = "supersedes"  # the same, as a stream field beside the record
 _PREFIX_MARK = "_tokcap_prompt_prefix"
 
 
@@ -88,11 +95,21 @@ def encode_result(record: dict[str, Any], **meta: Any) -> dict[str, Any]:
 
 
 def decode_result(result_id: Any, fields: Mapping[Any, Any]) -> dict[str, Any]:
-    """The rebuilt record of one stream entry, with its stream id under ``_ng_result_id``."""
+    """The rebuilt record of one stream entry, with its stream id under ``_ng_result_id``.
+
+    A result that supersedes an earlier one also carries that id under ``_ng_supersedes``;
+    one the record brought along from elsewhere is removed, so the key always means this
+    stream entry's link.
+    """
     fields = {as_text(key): value for key, value in fields.items()}
     record = msgpack.unpackb(fields["record"], raw=False, strict_map_key=False)
     record = expand_record(record)
     record[RESULT_ID_KEY] = as_text(result_id)
+    supersedes = as_text(fields.get(SUPERSEDES_FIELD) or "")
+    if supersedes:
+        record[SUPERSEDES_KEY] = supersedes
+    else:
+        record.pop(SUPERSEDES_KEY, None)
     return record
 
 

@@ -2,11 +2,19 @@
 
 Per job: ``finalize_rollout_token_capture`` through the Redis source → publish the rebuilt
 record to the results stream, at most once per (rollout, snapshot id, version) → wait until
-that write is durable → retire the snapshot (only for a good build; masked or failed builds
-keep their evidence) → ``XACK``. Every step can be repeated after a crash: freeze is
-idempotent, the publish guard answers with the first result id, and drop of an already
-dropped snapshot is True. So a job of a killed worker is simply run again by whoever
-claims it (``XAUTOCLAIM`` after ``claim_idle_ms``).
+that write is durable → retire the snapshot (only for a good build whose published result is
+that good build; masked or failed builds keep their evidence) → ``XACK``. Every step can be
+repeated after a crash: freeze is idempotent, the publish guard answers with the first result
+id and whether it was unmasked, and drop of an already dropped snapshot is True. So a job of a
+killed worker is simply run again by whoever claims it (``XAUTOCLAIM`` after ``claim_idle_ms``).
+
+The worker never destroys evidence. A record that cannot be rebuilt goes to the dead-letter
+stream before anything is frozen or published, so a later valid job of the same rollout still
+gets the real result. A build that could not reach the store is retried, never published. When
+a late loss mark changes the snapshot between publish and retire, the rollout is rebuilt from
+the job's record again and the new result names the one it supersedes (``supersedes`` on the
+stream, ``_ng_supersedes`` on the decoded record); the publish script sets that link itself
+from the rollout's latest result, so a re-run after a crash links it too.
 
 A job that fails ``max_attempts`` times, or that can never succeed (a malformed record),
 goes to the dead-letter stream with its error and is acked. One process runs
@@ -30,32 +38,78 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from capture.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
+from capture.delivery import (
+    RolloutBuild,
+    finalize_rollout_token_capture,
+    retire_rollout_token_capture,
+)
 from transports.durability import Durability
 from transports.queue import MalformedJobError, decode_job, stream_names
 from transports.redis import RedisTokenStore
 from transports.redis_keys import as_text
-from transports.results import encode_result, ensure_group
+from transports.results import SUPERSEDES_FIELD, encode_result, ensure_group
 
 log = logging.getLogger("tokcap.worker")
 
-# Publish a result unless this (rollout, snapshot, version) was published before. On a repeat
-# the guard's TTL is refreshed: that write makes WAIT/WAITAOF on this connection also cover
-# the first publish, which a killed worker may never have seen made durable.
+# Publish a result unless this (rollout, snapshot, version) was published before; the guard
+# keeps "<result id> <1 if unmasked else 0>", so a repeat knows what the trainer received. On a
+# repeat the guard's TTL is refreshed: that write makes WAIT/WAITAOF on this connection also
+# cover the first publish, which a killed worker may never have seen made durable.
+# KEYS: guard, results stream, the rollout's latest result ("<id> <snapshot id> <version>").
+# ARGV: ttl ms, ok flag, snapshot id ('' for none), version, name of the supersedes field,
+# then the result's stream fields. A newer version of the same snapshot already published
+# makes this one stale: nothing is written (reply 2), since a trainer must never receive an
+# older build after a newer one. An older version is superseded by this one.
 PUBLISH_ONCE = """
 local existing = redis.call('GET', KEYS[1])
 if existing then
   redis.call('PEXPIRE', KEYS[1], ARGV[1])
-  return {0, existing}
+  return {0, existing, ''}
 end
-local id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
-redis.call('SET', KEYS[1], id, 'PX', ARGV[1])
-return {1, id}
+local snapshot, version = ARGV[3], tonumber(ARGV[4])
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+local supersedes = ''
+if snapshot ~= '' then
+  local latest = redis.call('GET', KEYS[3])
+  if latest then
+    local id, seen, seen_version = string.match(latest, '^(%S+) (%S+) (%d+)$')
+    if seen == snapshot and tonumber(seen_version) > version then
+      return {2, id, ''}
+    end
+    if seen == snapshot and tonumber(seen_version) < version then
+      supersedes = id
+      fields[#fields + 1] = ARGV[5]
+      fields[#fields + 1] = id
+    end
+  end
+end
+local id = redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('SET', KEYS[1], id .. ' ' .. ARGV[2], 'PX', ARGV[1])
+if snapshot ~= '' then
+  redis.call('SET', KEYS[3], id .. ' ' .. snapshot .. ' ' .. ARGV[4], 'PX', ARGV[1])
+end
+return {1, id .. ' ' .. ARGV[2], supersedes}
 """
+
+# A late loss mark can change a snapshot between publish and retire; each round rebuilds it
+# and supersedes the published result. Redis marks only ever mask, so two rounds settle it.
+REBUILD_ROUNDS = 3
 
 
 class TransientJobError(Exception):
     """A step failed in a way a later attempt may not; the job stays pending."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the trainer receives for one snapshot version, as the publish guard says."""
+
+    result_id: str
+    fresh: bool  # written by this call, not found from an earlier run
+    ok: bool  # that result is an unmasked build (a guard of an older worker: unknown, False)
+    supersedes: str = ""  # the result id this one replaces, when it is fresh
+    stale: bool = False  # a newer version of the snapshot was published: nothing was written
 
 
 @dataclass
@@ -108,6 +162,7 @@ class RebuildWorker:
                 "published",
                 "retired",
                 "retire_refused",
+                "superseded",
                 "masked",
                 "skipped",
                 "dead",
@@ -271,64 +326,108 @@ class RebuildWorker:
                 log.error("could not record the failure of job %s: %s", job_id, inner)
 
     async def process(self, job_id: str, fields: Mapping[Any, Any]) -> None:
-        """Rebuild one job's rollout, publish it once, retire it, ack the job."""
+        """Rebuild one job's rollout, publish it once, retire it, ack the job.
+
+        When the snapshot changed after its result was published (retire refused), the
+        rollout is rebuilt and the new result supersedes the published one, a few rounds at
+        most; a rollout still changing after that is retried as a failed job.
+        """
+        for _ in range(REBUILD_ROUNDS):
+            rollout_id, record = decode_job(fields)  # finalize mutates it: a fresh copy each round
+            built = await self._build(rollout_id, record)
+            published = await self._publish(job_id, rollout_id, record, built)
+            if await self._settle(job_id, rollout_id, built, published):
+                break
+        else:
+            raise TransientJobError(
+                f"rollout {rollout_id} changed after each of {REBUILD_ROUNDS} rebuilds"
+            )
+        await self._finish(job_id)
+        self.counts["done"] += 1
+
+    async def _build(self, rollout_id: str, record: dict[str, Any]) -> RolloutBuild:
+        """Finalize the record; a record or source error raises instead of being published.
+
+        A record error froze nothing, so dead-lettering it leaves the rollout to a later
+        valid job; a source error says nothing about the capture, so it is retried.
+        """
+        built = await finalize_rollout_token_capture(record, self.source, rollout_id=rollout_id)
+        if built.error_kind == "record":
+            raise MalformedJobError(f"job record cannot be rebuilt: {built.error}")
+        if built.error_kind == "source":
+            raise TransientJobError(f"the store was unreachable during the build: {built.error}")
+        return built
+
+    async def _settle(
+        self, job_id: str, rollout_id: str, built: RolloutBuild, published: Published
+    ) -> bool:
+        """Retire what may be retired; False when the rollout must be rebuilt again."""
         s = self.settings
-        rollout_id, record = decode_job(fields)
-        built = await finalize_rollout_token_capture(record, self.source)
-        if built.error:
-            await self._raise_if_unreachable(built.error)
-        result_id, fresh = await self._publish(job_id, rollout_id, record, built)
-        if fresh:
-            self.counts["published"] += 1
+        self.counts["published"] += int(published.fresh)
+        self.counts["superseded"] += int(published.fresh and bool(published.supersedes))
         if s.debug_delay_after_publish_ms:
             await asyncio.sleep(s.debug_delay_after_publish_ms / 1000)
+        if published.stale:
+            log.warning(
+                "rollout %s: a newer version than v%s was already published (%s); rebuilding",
+                rollout_id,
+                built.version,
+                published.result_id,
+            )
+            return False
+        # Retire only when what the trainer receives is this unmasked build of this snapshot:
+        # a masked result published first under the same guard still needs the evidence.
         retired = False
-        if built.ok and not built.masked:
+        if built.ok and published.ok:
             retired = await retire_rollout_token_capture(rollout_id, self.source, built)
-            self.counts["retired"] += int(retired)
             if not retired:
-                # The rollout changed after its freeze (a late loss was recorded): the result
-                # stands as published, and the store keeps the evidence.
                 self.counts["retire_refused"] += 1
                 log.warning(
-                    "rollout %s changed after snapshot %s v%s; not retired",
+                    "rollout %s changed after snapshot %s v%s was published as %s; rebuilding",
                     rollout_id,
                     built.snapshot_id,
                     built.version,
+                    published.result_id,
                 )
+                return False
+            self.counts["retired"] += 1
         elif built.skipped:
             self.counts["skipped"] += 1  # the record already carried token ids
         else:
             self.counts["masked"] += 1
-        await self._finish(job_id)
-        self.counts["done"] += 1
+        self._log_job(job_id, rollout_id, built, published, retired)
+        return True
+
+    def _log_job(
+        self,
+        job_id: str,
+        rollout_id: str,
+        built: RolloutBuild,
+        published: Published,
+        retired: bool,
+    ) -> None:
         log.info(
-            "job %s: rollout %s snapshot %s v%s %s, result %s%s, %s",
+            "job %s: rollout %s snapshot %s v%s %s, result %s%s%s, %s",
             job_id,
             rollout_id,
             built.snapshot_id or "-",
             built.version,
             "skipped" if built.skipped else "masked" if built.masked or not built.ok else "ok",
-            result_id,
-            "" if fresh else " (already published)",
+            published.result_id,
+            "" if published.fresh else " (already published)",
+            f" superseding {published.supersedes}" if published.supersedes else "",
             "retired" if retired else "kept",
         )
 
-    async def _raise_if_unreachable(self, error: Any) -> None:
-        """A build that failed because Redis is unreachable is retried, not published masked."""
-        try:
-            await self.client.ping()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise TransientJobError(f"Redis unreachable during the build ({error}): {exc}") from exc
-
     async def _publish(
-        self, job_id: str, rollout_id: str, record: dict[str, Any], built: Any
-    ) -> tuple[str, bool]:
-        """XADD the result unless it was published before; returns (result id, fresh)."""
+        self, job_id: str, rollout_id: str, record: dict[str, Any], built: RolloutBuild
+    ) -> Published:
+        """XADD the result unless this snapshot version was published before."""
         s = self.settings
         # A build without a snapshot (it failed before freeze) is named by its job instead.
         name = f"{built.snapshot_id}:{built.version}" if built.snapshot_id else f"job:{job_id}"
         guard = f"{s.results_stream}:published:{rollout_id}:{name}"
+        latest = f"{s.results_stream}:latest:{rollout_id}"
         fields = encode_result(
             record,
             rollout_id=rollout_id,
@@ -339,17 +438,23 @@ class RebuildWorker:
             job_id=job_id,
             worker=s.consumer,
         )
-        args: list[Any] = [s.guard_ttl_s * 1000]
+        ok_flag = "1" if built.ok and not built.masked else "0"
+        args: list[Any] = [
+            s.guard_ttl_s * 1000,
+            ok_flag,
+            built.snapshot_id or "",
+            built.version,
+            SUPERSEDES_FIELD,
+        ]
         for key, value in fields.items():
             args += [key, value]
         async with self.client.pipeline(transaction=False) as pipe:
-            pipe.eval(PUBLISH_ONCE, 2, guard, s.results_stream, *args)
+            pipe.eval(PUBLISH_ONCE, 3, guard, s.results_stream, latest, *args)
             for command in self.durability.wait:
                 pipe.execute_command(*command)
             replies = await pipe.execute()
         self.durability.verify(replies[1:])
-        fresh, result_id = replies[0]
-        return as_text(result_id), bool(fresh)
+        return _published(replies[0])
 
     async def _finish(self, job_id: str) -> None:
         """Ack and delete the job, and forget its errors, in one transaction."""
@@ -378,6 +483,19 @@ class RebuildWorker:
             pipe.xdel(s.jobs_stream, job_id)
             pipe.hdel(self.errors_key, job_id)
             await pipe.execute()
+
+
+def _published(reply: list[Any]) -> Published:
+    """Read the publish script's reply: (0 found | 1 written | 2 stale, guard, supersedes)."""
+    status, guarded, supersedes = int(reply[0]), as_text(reply[1]), as_text(reply[2])
+    result_id, _, ok_flag = guarded.partition(" ")
+    return Published(
+        result_id=result_id,
+        fresh=status == 1,
+        ok=status != 2 and ok_flag == "1",
+        supersedes=supersedes if status == 1 else "",
+        stale=status == 2,
+    )
 
 
 async def run_worker(settings: WorkerSettings) -> dict[str, int]:
