@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -20,19 +19,27 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api import jsonbytes, sse
+from api import sse
 from api.capture_step import capture
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
 from api.jsonbytes import JSONBytesResponse
+from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
-from api.routing import ASGIApp, CapturePrefixRouter, Receive, Scope, Send
+from api.routing import CapturePrefixRouter
 from api.settings import ServerSettings, settings_from_environment
 from api.upstream import UpstreamClient, UpstreamError
-from capture.context import begin_call, current_call, void_call
+from capture.context import (
+    begin_call,
+    current_call,
+    mark_unreceived,
+    resolve_unserved,
+    void_call,
+)
 from capture.registry import install_token_sink, installed_token_sink
 
-BODY_METHODS = ("POST", "PUT", "PATCH")
+# nginx's status for a request whose client closed the connection first; nobody reads it.
+CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass(frozen=True)
@@ -71,78 +78,8 @@ DIALECTS = {
 }
 
 
-async def _chunks(events: Iterator[bytes]) -> AsyncIterator[bytes]:
-    # The events are ready-made: iterating them on the loop avoids a threadpool hop each.
-    for chunk in events:
-        yield chunk
-
-
-def _plain_error(status: int, kind: str, message: str) -> bytes:
-    # Readable by both SDKs: Anthropic reads error.type, OpenAI reads error.message.
-    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-
-
-class BodyLimit:
-    """Answer 413 to a request body beyond ``max_bytes``; a body within it is replayed as is.
-
-    Starlette's own limiter answers in plain text; harness SDKs read a JSON error body.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        too_large = declared.isdigit() and int(declared) > self.max_bytes
-        chunks: list[bytes] = []
-        size = 0
-        while not too_large:
-            message = await receive()
-            if message["type"] != "http.request":
-                break  # disconnected: the app sees an empty body and the send goes nowhere
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            too_large = size > self.max_bytes
-            if not message.get("more_body", False):
-                break
-        if too_large:
-            body = _plain_error(
-                413,
-                "request_too_large",
-                f"request body exceeds the limit of {self.max_bytes} bytes",
-            )
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ]
-            await send({"type": "http.response.start", "status": 413, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
 async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = jsonbytes.loads_stdlib(raw)
-    except ValueError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return parse_json_object(await request.body())
 
 
 def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
@@ -162,15 +99,16 @@ def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
 
 
 async def serve_call(request: Request, dialect: Dialect) -> Response:
-    """One model call: translate, call upstream, capture, reply."""
+    """One model call: translate, call upstream, capture, reply (only over a durable record)."""
     state = request.app.state
     metrics: FrontEndMetrics = state.metrics
     try:
         body = await _json_body(request)
         chat_request = dialect.to_chat(body)
-    except (RequestError, TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         metrics.record_call(dialect.name, "bad_request")
-        return JSONResponse(dialect.error_body(400, str(exc)), status_code=400)
+        message = str(exc) if not isinstance(exc, RecursionError) else "request nested too deeply"
+        return JSONResponse(dialect.error_body(400, message), status_code=400)
     intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
@@ -193,14 +131,60 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         await intent  # durable before the entry, and so before any reply reaches the harness
     captured = await capture(generation)
     metrics.record_call(dialect.name, captured.outcome, captured.put_seconds)
+    if captured.outcome == "unrecorded":
+        resolve_unserved("the call was answered 503")
+        return _unavailable(dialect)
     reply = dialect.reply(captured, body)
     if body.get("stream") is True:
-        return StreamingResponse(
-            _chunks(dialect.stream(reply, body)),
-            media_type="text/event-stream",
-            headers=sse.SSE_HEADERS,
-        )
+        events = _delivered_stream(dialect.stream(reply, body), request, metrics)
+        return StreamingResponse(events, media_type="text/event-stream", headers=sse.SSE_HEADERS)
+    if await request.is_disconnected():
+        await _unreceived(metrics, "the client disconnected before the reply was sent")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(reply)
+
+
+def _unavailable(dialect: Dialect) -> Response:
+    """A retryable 503 in the harness's dialect (Anthropic: ``overloaded_error``)."""
+    message = (
+        "the token capture store could not record this call in time; the reply was "
+        "withheld so the rollout stays exact: retry the request"
+    )
+    return JSONResponse(dialect.error_body(503, message), status_code=503, headers=RETRY_HEADERS)
+
+
+async def _unreceived(metrics: FrontEndMetrics, reason: str) -> None:
+    metrics.unreceived.inc()
+    await mark_unreceived(reason)
+
+
+async def _delivered_stream(
+    events: Iterator[bytes], request: Request, metrics: FrontEndMetrics
+) -> AsyncIterator[bytes]:
+    """The stream, its final event only to a client still there; else the call is unreceived.
+
+    The events are ready-made, so iterating them on the loop avoids a threadpool hop each.
+    If the response is cancelled (the client went away) before the final event, the note is
+    written in the background: the capture context may be gone by then.
+    """
+    call = current_call()  # the first iteration runs in the request's context; later, maybe not
+    final = b""
+    finished = False
+    try:
+        for event in events:
+            if final:
+                yield final
+            final = event
+        if await request.is_disconnected():
+            await _unreceived(metrics, "the client disconnected before the stream's final event")
+            finished = True
+            return
+        finished = True
+        yield final
+    finally:
+        if not finished:
+            metrics.unreceived.inc()
+            resolve_unserved("the stream was cut before its final event", call)
 
 
 def _request_body(schema: dict[str, Any]) -> dict[str, Any]:
@@ -246,8 +230,17 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = FrontEndMetrics()
     app.state.token_sink = None
-    app.add_middleware(CapturePrefixRouter, sink_provider=lambda: app.state.token_sink)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        CapturePrefixRouter,
+        sink_provider=lambda: app.state.token_sink,
+        capture_timeout_s=settings.capture_timeout_s,
+    )
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        max_inflight_bytes=settings.max_inflight_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     @app.api_route("/v1", methods=["GET", "HEAD"], include_in_schema=False)
@@ -307,7 +300,14 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         """Prompt length as the upstream renders it; not a model call, never captured."""
         try:
             chat_request = anthropic.count_request(await _json_body(request))
-        except (RequestError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (
+            RequestError,
+            TypeError,
+            ValueError,
+            KeyError,
+            AttributeError,
+            RecursionError,
+        ) as exc:
             return JSONResponse(anthropic.error_body(400, str(exc)), status_code=400)
         client: UpstreamClient = app.state.upstream
         chat_request["model"] = await client.model_name(chat_request.get("model"))

@@ -4,7 +4,8 @@ Whatever dialect the harness speaks, a call is recorded in the Responses shape: 
 message and function_call items, with the three token arrays on one carrier item (the last,
 which ends the generation). The reply step reads the same items, so what is stored is what
 was served. Capture never raises into the call: ids that are missing or disagree mark the
-rollout incomplete, because a reply without ids reaches the harness all the same.
+rollout incomplete, because a reply without ids reaches the harness all the same, once
+that loss is durable.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class CapturedCall:
     generation: Generation
     items: list[dict[str, Any]]
     entry: TokenEntry | None
-    # "captured", "incomplete" or "uncaptured" (no capture context: an untagged path).
+    # "captured", "incomplete" (its loss is recorded), "unrecorded" (neither the entry nor
+    # its loss became durable: the harness must not get the reply) or "uncaptured" (no
+    # capture context: an untagged path).
     outcome: str
     put_seconds: float = 0.0
 
@@ -97,5 +100,5 @@ async def capture(generation: Generation) -> CapturedCall:
             overridden_sampling_keys=list(generation.overridden_keys),
         )
     seconds = time.perf_counter() - started
-    outcome = "captured" if entry is not None else "incomplete"
+    outcome = "captured" if entry is not None else "unrecorded" if call.unrecorded else "incomplete"
     return CapturedCall(generation, items, entry, outcome, seconds)

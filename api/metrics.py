@@ -32,7 +32,7 @@ LATENCY_BUCKETS = (
 )
 
 # Outcomes of one model call, as counted in tokcap_calls_total.
-OUTCOMES = ("captured", "incomplete", "uncaptured", "upstream_error", "bad_request")
+OUTCOMES = ("captured", "incomplete", "unrecorded", "uncaptured", "upstream_error", "bad_request")
 
 
 @dataclass
@@ -52,6 +52,16 @@ class FrontEndMetrics:
         self.incomplete = Counter(
             "tokcap_incomplete_calls",
             "Calls that reached the harness without stored ids (rollout marked incomplete)",
+            registry=self.registry,
+        )
+        self.unrecorded = Counter(
+            "tokcap_unrecorded_calls",
+            "Calls answered 503: neither their entry nor their loss became durable in time",
+            registry=self.registry,
+        )
+        self.unreceived = Counter(
+            "tokcap_unreceived_calls",
+            "Calls whose client went away before the reply (or the stream's final event)",
             registry=self.registry,
         )
         self.put_seconds = Histogram(
@@ -74,7 +84,9 @@ class FrontEndMetrics:
             self.captured.inc()
         elif outcome == "incomplete":
             self.incomplete.inc()
-        if put_seconds is not None and outcome in ("captured", "incomplete"):
+        elif outcome == "unrecorded":
+            self.unrecorded.inc()
+        if put_seconds is not None and outcome in ("captured", "incomplete", "unrecorded"):
             self.put_seconds.observe(put_seconds)
 
     def exposition(self) -> tuple[bytes, str]:

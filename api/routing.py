@@ -10,19 +10,15 @@ rewritten (a rewritten id would merge or split rollouts).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
-from capture.context import capture_call
+from api.limits import send_error
+from api.types import ASGIApp, Receive, Scope, Send
+from capture.context import DEFAULT_CAPTURE_TIMEOUT_S, capture_call
 from capture.errors import InvalidRolloutIdError
 from capture.rollout_ids import split_capture_path, validate_rollout_id
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 SinkProvider = Callable[[], Any]
 
 
@@ -35,29 +31,18 @@ def _strip_raw_path(raw_path: bytes | None, path: str, rest: str) -> bytes:
     return rest.encode()
 
 
-async def _reject(send: Send, status: int, message: str) -> None:
-    body = json.dumps(
-        {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
 class CapturePrefixRouter:
     """Strip the rollout prefix and open a capture context for the captured form."""
 
-    def __init__(self, app: ASGIApp, sink_provider: SinkProvider) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        sink_provider: SinkProvider,
+        capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S,
+    ) -> None:
         self.app = app
         self.sink_provider = sink_provider
+        self.capture_timeout_s = capture_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,7 +56,9 @@ class CapturePrefixRouter:
         try:
             validate_rollout_id(rollout_id)
         except InvalidRolloutIdError as exc:
-            await _reject(send, 400, f"invalid rollout id in the URL: {exc}")
+            await send_error(
+                send, 400, "invalid_request_error", f"invalid rollout id in the URL: {exc}"
+            )
             return
         scope = dict(scope)
         scope["raw_path"] = _strip_raw_path(scope.get("raw_path"), path, rest)
@@ -81,5 +68,5 @@ class CapturePrefixRouter:
         if sink is None:
             await self.app(scope, receive, send)
             return
-        async with capture_call(rollout_id, sink):
+        async with capture_call(rollout_id, sink, timeout_s=self.capture_timeout_s):
             await self.app(scope, receive, send)

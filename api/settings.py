@@ -16,17 +16,22 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from capture.config import TokenIdCaptureConfig, find_capture_block, load_document
+from capture.context import DEFAULT_CAPTURE_TIMEOUT_S
 from capture.errors import ConfigError
 
 SERVER_KEY = "model_server"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# Request bytes in flight per process; parsed, each body byte costs several bytes of memory.
+DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
 # Environment overrides: variable -> settings field.
 ENV_CONFIG = "TOKCAP_CONFIG"
 ENV_OVERRIDES = {
     "TOKCAP_UPSTREAM": "upstream",
     "TOKCAP_MODEL": "model",
     "TOKCAP_MAX_BODY_BYTES": "max_body_bytes",
+    "TOKCAP_MAX_INFLIGHT_BYTES": "max_inflight_bytes",
 }
+INTEGER_SETTINGS = ("max_body_bytes", "max_inflight_bytes")
 
 
 class ModelServerBlock(BaseModel):
@@ -38,8 +43,11 @@ class ModelServerBlock(BaseModel):
     model: str | None = None
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
+    max_inflight_bytes: int = Field(default=DEFAULT_MAX_INFLIGHT_BYTES, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     vocab_size: int | None = Field(default=None, gt=0)
+    capture_timeout_s: float = Field(default=DEFAULT_CAPTURE_TIMEOUT_S, gt=0)
 
 
 @dataclass(frozen=True)
@@ -51,11 +59,24 @@ class ServerSettings:
     model: str | None = None
     sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # 503 (retry) while the bodies in flight would exceed it; at least max_body_bytes.
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    body_timeout_s: float = 30.0  # a body not received by then is cut with a 408
     upstream_timeout_s: float = 600.0
     # The model's vocabulary size; when set, an upstream id at or beyond it is not captured.
     vocab_size: int | None = None
+    # How long a call waits for its entry, or its loss, to become durable before the
+    # harness is answered 503 instead of the reply.
+    capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S
     capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
     sink_factory: Callable[[], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
+                f"max_body_bytes ({self.max_body_bytes}), or no body of the largest size fits"
+            )
 
     def build_sink(self) -> Any:
         """A new sink for this worker, or None when capture is off."""
@@ -90,7 +111,7 @@ class ServerSettings:
             value = environ.get(variable)
             if not value:
                 continue
-            if name == "max_body_bytes":
+            if name in INTEGER_SETTINGS:
                 try:
                     changes[name] = int(value)
                 except ValueError:

@@ -1,27 +1,42 @@
 """The capture context of one in-flight call, carried in a contextvar.
 
-The router opens a context for a tagged request; the dialect code below it calls
-``capture_tokens(response)`` once the upstream answered. Untagged traffic has no context and
-every function here is then a no-op. Nothing here raises into the model call: a response
-without ids, an extraction error or a failed put marks the rollout incomplete instead.
+The router opens a context for a tagged request; the front end calls ``capture_tokens``
+once the upstream answered. Untagged traffic has no context and every function here is then
+a no-op. Nothing here raises into the model call.
+
+A reply may reach the harness only over a durable record: the call's entry, or the loss of
+it. So every write is retried with backoff until the call's ``timeout_s`` runs out: the put
+for the first half, then the loss mark. When neither lands, the call is ``unrecorded`` and
+the front end answers a retryable 503 instead of the reply; its note that the reply went
+unreceived is then written in the background, once the sink answers again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture.errors import RolloutFrozenError
+from capture.errors import ConflictingEntryError, RolloutFrozenError
 from capture.extract import entry_from_response
 from capture.protocols import TokenSink
 from capture.records import TokenEntry
 
 log = logging.getLogger("tokcap.capture")
+
+DEFAULT_CAPTURE_TIMEOUT_S = 10.0
+# How long the background note of an unserved call keeps trying after the 503.
+UNSERVED_RETRY_S = 120.0
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 1.0
+# Errors that say the write was decided, not that it failed to happen: never retried.
+_DECIDED = (RolloutFrozenError, ConflictingEntryError)
 
 
 @dataclass
@@ -31,20 +46,24 @@ class CallCapture:
     rollout_id: str
     sink: TokenSink
     model_call_id: str = field(default_factory=lambda: f"call-{uuid.uuid4().hex}")
+    timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S
     intent_recorded: bool = False
     entry: TokenEntry | None = None
-    incomplete: bool = False
+    incomplete: bool = False  # its loss is durably recorded (or it came after freeze)
     voided: bool = False
+    unrecorded: bool = False  # neither the entry nor its loss could be made durable
     error: str | None = None
 
     @property
     def done(self) -> bool:
-        return self.entry is not None or self.incomplete or self.voided
+        return self.entry is not None or self.incomplete or self.voided or self.unrecorded
 
 
 _current: contextvars.ContextVar[CallCapture | None] = contextvars.ContextVar(
     "tokcap_call_capture", default=None
 )
+# Background notes of unserved calls; kept referenced until they finish.
+_background: set[asyncio.Task[None]] = set()
 
 
 def current_call() -> CallCapture | None:
@@ -54,10 +73,14 @@ def current_call() -> CallCapture | None:
 
 @asynccontextmanager
 async def capture_call(
-    rollout_id: str, sink: TokenSink, model_call_id: str | None = None
+    rollout_id: str,
+    sink: TokenSink,
+    model_call_id: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S,
 ) -> AsyncIterator[CallCapture]:
     """Open the capture context of one call; a fresh model_call_id unless one is given."""
-    call = CallCapture(rollout_id=rollout_id, sink=sink)
+    call = CallCapture(rollout_id=rollout_id, sink=sink, timeout_s=timeout_s)
     if model_call_id:
         call.model_call_id = model_call_id
     token = _current.set(call)
@@ -67,11 +90,42 @@ async def capture_call(
         _current.reset(token)
 
 
+async def durably(write: Callable[[], Awaitable[Any]], until: float) -> Exception | None:
+    """Run ``write`` until it succeeds or the monotonic clock passes ``until``.
+
+    Returns None on success, else the last error. Each attempt is cut at ``until``, so a
+    stalled sink cannot hold the call longer. A frozen rollout or a conflicting payload is
+    an answer, not an outage: raised at once.
+    """
+    backoff = _FIRST_BACKOFF_S
+    while True:
+        remaining = until - time.monotonic()
+        try:
+            await asyncio.wait_for(write(), timeout=max(remaining, 0.001))
+            return None
+        except _DECIDED:
+            raise
+        except Exception as exc:  # any outage of the sink: try again while time remains
+            last: Exception = exc
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return last
+        await asyncio.sleep(min(backoff, remaining))
+        backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "the sink did not answer in time"
+    return f"{type(exc).__name__}: {exc}"
+
+
 async def begin_call() -> None:
     """Record a durable intent, where the sink supports intents.
 
-    The front end writes it while the engine works and awaits it before capture and before
-    any reply, so every reply that reaches a harness is covered by an intent or an entry.
+    The front end writes it while the engine works. It lets a freeze that lands while the
+    call is in flight count the call as lost. Failing to write it loses nothing: the reply
+    still waits for the entry or a loss mark, so it is only noted.
     """
     call = current_call()
     if call is None:
@@ -80,14 +134,19 @@ async def begin_call() -> None:
     if not callable(begin):
         return
     try:
-        await begin(call.rollout_id, call.model_call_id)
+        await asyncio.wait_for(begin(call.rollout_id, call.model_call_id), call.timeout_s / 2)
         call.intent_recorded = True
     except RolloutFrozenError as exc:
         # The call began after its rollout was frozen: it is not part of the snapshot, and
         # writing a loss now would only change a snapshot already handed to its consumer.
         _not_captured(call, f"call after freeze: {exc}")
-    except Exception as exc:  # an intent that failed to record must not fail the call
-        await mark_incomplete(f"begin_call failed: {exc}")
+    except Exception as exc:
+        log.warning(
+            "rollout %s call %s: no intent recorded (%s); its entry or loss still covers it",
+            call.rollout_id,
+            call.model_call_id,
+            _describe(exc),
+        )
 
 
 def _not_captured(call: CallCapture, reason: str) -> None:
@@ -96,53 +155,75 @@ def _not_captured(call: CallCapture, reason: str) -> None:
     log.warning("rollout %s call %s not captured: %s", call.rollout_id, call.model_call_id, reason)
 
 
-async def mark_incomplete(reason: str) -> None:
-    """Durably note that this call's tokens are lost; logs if even that fails."""
-    call = current_call()
-    if call is None or call.incomplete:
-        return
-    call.incomplete = True
+async def _record_loss(call: CallCapture, reason: str, until: float) -> bool:
+    """Durably note the loss of this call before ``until``; False when that failed."""
     call.error = reason
     log.warning("rollout %s call %s incomplete: %s", call.rollout_id, call.model_call_id, reason)
-    try:
-        await call.sink.mark_incomplete(call.rollout_id, call.model_call_id)
-    except Exception:
-        log.exception(
-            "could not mark rollout %s incomplete; its snapshot may miss call %s",
-            call.rollout_id,
-            call.model_call_id,
-        )
+    failed = await durably(
+        lambda: call.sink.mark_incomplete(call.rollout_id, call.model_call_id), until
+    )
+    if failed is None:
+        call.incomplete = True
+        return True
+    log.error(
+        "rollout %s call %s: could not record its loss either (%s)",
+        call.rollout_id,
+        call.model_call_id,
+        _describe(failed),
+    )
+    return False
 
 
-async def capture_tokens(response: Mapping[str, Any], **extra: Any) -> TokenEntry | None:
-    """Build this call's entry from a served response and put it; never raises."""
+async def mark_incomplete(reason: str) -> None:
+    """Durably note that this call's tokens are lost; unrecorded if even that fails."""
     call = current_call()
     if call is None or call.done:
-        return call.entry if call else None
+        return
+    if not await _record_loss(call, reason, time.monotonic() + call.timeout_s):
+        call.unrecorded = True
+
+
+async def _put(call: CallCapture, entry: TokenEntry, until: float) -> str | None:
+    """Put the entry before ``until``; None when stored, else why not."""
     try:
-        entry = entry_from_response(
-            response,
-            rollout_id=call.rollout_id,
-            model_call_id=call.model_call_id,
-            **extra,
-        )
-    except Exception as exc:
-        await mark_incomplete(f"no usable token ids: {exc}")
-        return None
-    try:
-        await call.sink.put(entry)
+        failed = await durably(lambda: call.sink.put(entry), until)
     except RolloutFrozenError as exc:
         if call.intent_recorded:
             # The frozen snapshot already counts this call's pending intent as lost.
             _not_captured(call, f"put after freeze: {exc}")
-        else:
-            await mark_incomplete(f"put failed: {type(exc).__name__}: {exc}")
-        return None
-    except Exception as exc:
-        await mark_incomplete(f"put failed: {type(exc).__name__}: {exc}")
-        return None
+            return None
+        return f"put failed: {type(exc).__name__}: {exc}"
+    except ConflictingEntryError as exc:
+        return f"put failed: {exc}"  # the store marked the loss in the same write
+    if failed is not None:
+        return f"put failed: {_describe(failed)}"
     call.entry = entry
-    return entry
+    return None
+
+
+async def capture_tokens(response: Mapping[str, Any], **extra: Any) -> TokenEntry | None:
+    """Build this call's entry from a served response and put it; never raises.
+
+    The put is retried for the first half of the call's timeout, the loss mark for the
+    rest; the call is ``unrecorded`` when neither became durable.
+    """
+    call = current_call()
+    if call is None or call.done:
+        return call.entry if call else None
+    started = time.monotonic()
+    try:
+        entry = entry_from_response(
+            response, rollout_id=call.rollout_id, model_call_id=call.model_call_id, **extra
+        )
+    except Exception as exc:
+        await mark_incomplete(f"no usable token ids: {exc}")
+        return None
+    problem = await _put(call, entry, started + call.timeout_s / 2)
+    if problem is None:
+        return call.entry
+    if not await _record_loss(call, problem, started + call.timeout_s):
+        call.unrecorded = True
+    return None
 
 
 async def void_call() -> None:
@@ -152,9 +233,68 @@ async def void_call() -> None:
         return
     call.voided = True
     void = getattr(call.sink, "void_call", None)
-    if call.intent_recorded and callable(void):
-        try:
-            await void(call.rollout_id, call.model_call_id)
-        except Exception as exc:
-            call.voided = False
-            await mark_incomplete(f"void_call failed: {exc}")
+    if not (call.intent_recorded and callable(void)):
+        return
+    until = time.monotonic() + call.timeout_s
+    try:
+        failed = await durably(lambda: void(call.rollout_id, call.model_call_id), until)
+    except RolloutFrozenError:
+        return  # the snapshot already counted the pending intent as lost
+    if failed is not None:
+        # A pending intent masks the rollout, which is safe; nothing reached the harness.
+        log.warning(
+            "rollout %s call %s: could not void its intent (%s)",
+            call.rollout_id,
+            call.model_call_id,
+            _describe(failed),
+        )
+
+
+async def _note_unreceived(call: CallCapture, reason: str, until: float) -> None:
+    """Durably note that the harness never got this call's reply (see ``ReceiptSink``)."""
+    mark = getattr(call.sink, "mark_unreceived", None)
+    if not callable(mark):
+        await _record_loss(call, f"{reason} (the sink cannot note receipts)", until)
+        return
+    try:
+        failed = await durably(lambda: mark(call.rollout_id, call.model_call_id), until)
+    except RolloutFrozenError:
+        # The snapshot may already be handed off with this call in it: only a loss,
+        # which is allowed after freeze and changes its version, can still say so.
+        await _record_loss(call, f"{reason} after the rollout was frozen", until)
+        return
+    if failed is not None:
+        log.error(
+            "rollout %s call %s: %s, and noting it failed (%s)",
+            call.rollout_id,
+            call.model_call_id,
+            reason,
+            _describe(failed),
+        )
+
+
+async def mark_unreceived(reason: str) -> None:
+    """The harness disconnected before this call's reply went out: note it, never raise."""
+    call = current_call()
+    if call is None or call.voided:
+        return
+    log.warning("rollout %s call %s: %s", call.rollout_id, call.model_call_id, reason)
+    await _note_unreceived(call, reason, time.monotonic() + call.timeout_s)
+
+
+def resolve_unserved(reason: str, call: CallCapture | None = None) -> None:
+    """Note in the background that a call's reply never reached the harness.
+
+    For a call answered 503, or a stream cut before its final event. Its intent may be
+    pending and its put may still land (an attempt cut at the deadline can complete later);
+    the note keeps either from masking the rollout or being delivered. ``call`` defaults to
+    the current one.
+    """
+    call = call or current_call()
+    if call is None:
+        return
+    log.warning("rollout %s call %s: %s", call.rollout_id, call.model_call_id, reason)
+    until = time.monotonic() + UNSERVED_RETRY_S
+    task = asyncio.ensure_future(_note_unreceived(call, reason, until))
+    _background.add(task)
+    task.add_done_callback(_background.discard)

@@ -7,6 +7,7 @@ put marks the rollout incomplete through the sink instead.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -15,6 +16,8 @@ from capture.context import (
     capture_call,
     capture_tokens,
     current_call,
+    mark_unreceived,
+    resolve_unserved,
     void_call,
 )
 from capture.errors import RolloutFrozenError
@@ -162,23 +165,114 @@ async def test_extraction_error_marks_incomplete(store):
     assert (await store.freeze("8-1")).incomplete
 
 
-async def test_failed_put_marks_incomplete_and_never_raises(store):
+async def test_failed_put_is_retried_then_marks_incomplete_and_never_raises(store):
     sink = FailingPutSink(store)
-    async with capture_call("8-2", sink, model_call_id="c") as call:
+    async with capture_call("8-2", sink, model_call_id="c", timeout_s=0.4) as call:
         assert await capture_tokens(served([1], [2])) is None
-    assert sink.puts == 1
-    assert call.incomplete and "OSError" in call.error
+    assert sink.puts >= 2  # retried for the first half of the timeout
+    assert call.incomplete and not call.unrecorded and "OSError" in call.error
     snapshot = await store.freeze("8-2")
     assert snapshot.incomplete and snapshot.entries == ()
 
 
-async def test_even_a_sink_that_cannot_mark_a_loss_does_not_fail_the_call():
+async def test_a_sink_that_cannot_record_even_the_loss_leaves_the_call_unrecorded():
     sink = BrokenSink()
-    async with capture_call("8-3", sink) as call:
+    started = time.monotonic()
+    async with capture_call("8-3", sink, timeout_s=0.3) as call:
         await begin_call()
         assert await capture_tokens(served([1], [2])) is None
-        await void_call()
-    assert call.incomplete and not call.intent_recorded
+        await void_call()  # done already: nothing more to try
+    assert time.monotonic() - started < 2.0
+    assert call.unrecorded and not call.incomplete and not call.intent_recorded
+    assert call.entry is None and not call.voided
+
+
+class FlakySink:
+    """The real store behind a connection that drops the first ``failures`` writes."""
+
+    def __init__(self, store: TokenCaptureStore, failures: int, stall_s: float = 0.0) -> None:
+        self.store = store
+        self.failures = failures
+        self.stall_s = stall_s
+        self.calls = 0
+
+    async def _outage(self) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            if self.stall_s:
+                await asyncio.sleep(self.stall_s)  # a stopped server: no answer at all
+            raise ConnectionError("connection reset by peer")
+
+    async def put(self, entry):
+        await self._outage()
+        await self.store.put(entry)
+
+    async def mark_incomplete(self, rollout_id, model_call_id=""):
+        await self._outage()
+        await self.store.mark_incomplete(rollout_id, model_call_id)
+
+    async def mark_unreceived(self, rollout_id, model_call_id):
+        await self._outage()
+        await self.store.mark_unreceived(rollout_id, model_call_id)
+
+    async def close(self):
+        return None
+
+
+async def test_a_put_that_fails_a_few_times_is_retried_until_it_lands(store):
+    sink = FlakySink(store, failures=3)
+    async with capture_call("8-5", sink, timeout_s=5) as call:
+        entry = await capture_tokens(served([1], [2]))
+    assert entry is not None and call.entry is entry and not call.incomplete
+    snapshot = await store.freeze("8-5")
+    assert not snapshot.incomplete and len(snapshot.entries) == 1
+
+
+async def test_a_stalled_sink_is_cut_at_the_deadline(store):
+    sink = FlakySink(store, failures=100, stall_s=30)
+    started = time.monotonic()
+    async with capture_call("8-6", sink, timeout_s=0.5) as call:
+        assert await capture_tokens(served([1], [2])) is None
+    assert time.monotonic() - started < 2.0
+    assert call.unrecorded
+
+
+async def test_a_failed_intent_loses_nothing_when_the_entry_lands(store):
+    class IntentFails(FlakySink):
+        async def begin_call(self, rollout_id, model_call_id):
+            raise ConnectionError("store unreachable")
+
+    async with capture_call("8-7", IntentFails(store, failures=0)) as call:
+        await begin_call()
+        assert not call.intent_recorded and not call.incomplete
+        assert await capture_tokens(served([1], [2])) is not None
+    snapshot = await store.freeze("8-7")
+    assert not snapshot.incomplete and len(snapshot.entries) == 1
+
+
+async def test_an_unreceived_reply_is_noted_and_after_freeze_is_a_loss(store):
+    async with capture_call("8-8", store, model_call_id="c") as call:
+        await begin_call()
+        await capture_tokens(served([1], [2]))
+        await mark_unreceived("the client disconnected")
+    snapshot = await store.freeze("8-8")
+    assert snapshot.unreceived == ("c",) and not snapshot.incomplete
+    async with capture_call("8-8", store, model_call_id="c") as call:
+        await mark_unreceived("the client disconnected")
+    assert call.incomplete and "after the rollout was frozen" in call.error
+    assert (await store.freeze("8-8")).incomplete
+
+
+async def test_an_unserved_call_is_noted_in_the_background_once_the_sink_is_back(store):
+    sink = FlakySink(store, failures=4)
+    async with capture_call("8-9", sink, model_call_id="c"):
+        resolve_unserved("answered 503")
+    for _ in range(200):
+        if (await store.inspect("8-9"))["unreceived"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (await store.freeze("8-9")).unreceived == ("c",)
+    assert sink.calls == 5
 
 
 async def test_put_after_freeze_marks_incomplete(store):

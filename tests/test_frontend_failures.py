@@ -199,7 +199,8 @@ def test_a_failing_put_still_serves_the_call_and_marks_the_rollout(tmp_path: Pat
         enabled=True, sink=f"{__name__}:PutFailsStore", sink_kwargs={"dir": str(tmp_path)}
     )
     with engine_server() as engine:
-        with front_end(ServerSettings(upstream=engine, capture=capture)) as front:
+        settings = ServerSettings(upstream=engine, capture=capture, capture_timeout_s=0.6)
+        with front_end(settings) as front:
             base = f"{front}/ng-rollout/put-fails/training-token-capture"
             with anthropic_client(base).messages.stream(
                 model="m", max_tokens=200, messages=HELLO, tools=[BASH_TOOL]

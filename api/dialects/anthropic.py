@@ -36,6 +36,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    503: "overloaded_error",  # Claude Code retries it, as it retries 529
     529: "overloaded_error",
 }
 _TEXT_BLOCK = {

@@ -1,0 +1,172 @@
+"""What a client may send: bounded bodies, bounded bytes in flight, bounded time, sane JSON.
+
+Anything a client sends gets a clear 4xx (or a retryable 503 when the server is merely
+busy), never a 500 or a memory blow-up. ``BodyLimit`` reads each request body before the
+app sees it: beyond ``max_body_bytes`` it answers 413; when the bodies of all requests in
+flight would pass ``max_inflight_bytes`` it answers 503, because parsing turns every body
+byte into several bytes of Python objects; a body that has not arrived after
+``body_timeout_s`` is cut with a 408. ``parse_json_object`` then refuses what the stdlib
+parser accepts but nothing downstream can use: nesting beyond ``MAX_JSON_DEPTH`` and lone
+surrogates (which cannot be encoded to send upstream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from api import jsonbytes
+from api.types import ASGIApp, Message, Receive, Scope, Send
+
+BODY_METHODS = ("POST", "PUT", "PATCH")
+MAX_JSON_DEPTH = 128
+RETRY_HEADERS = {"retry-after": "1", "x-should-retry": "true"}
+# Only a \u escape can produce a surrogate (raw surrogate bytes are invalid UTF-8).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class BodyError(ValueError):
+    """A request body that cannot be served; the message says why, for a 400."""
+
+
+def error_bytes(kind: str, message: str) -> bytes:
+    """An error body both SDKs read: Anthropic reads error.type, OpenAI error.message."""
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+async def send_error(
+    send: Send, status: int, kind: str, message: str, headers: dict[str, str] | None = None
+) -> None:
+    body = error_bytes(kind, message)
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(name.encode(), value.encode()) for name, value in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+class BodyLimit:
+    """Read the whole body within the limits above, then replay it to the app."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        max_inflight_bytes: int | None = None,
+        body_timeout_s: float = 30.0,
+    ) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_inflight_bytes = max_inflight_bytes or 4 * max_bytes
+        self.body_timeout_s = body_timeout_s
+        self.inflight_bytes = 0  # bodies of requests being read or served, this process
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        held = [0]  # bytes of this request counted in inflight_bytes
+        try:
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    body = await self._read(scope, receive, held)
+            except TimeoutError:
+                raise _Refused(
+                    408, "request_timeout", f"request body not received in {self.body_timeout_s} s"
+                ) from None
+            if body is None:
+                return  # the client went away before sending its body: nobody to answer
+            await self.app(scope, _replay(body, receive), send)
+        except _Refused as refused:
+            headers = RETRY_HEADERS if refused.status == 503 else None
+            await send_error(send, refused.status, refused.kind, refused.message, headers)
+        finally:
+            self.inflight_bytes -= held[0]
+
+    def _hold(self, held: list[int], size: int) -> None:
+        if size > self.max_bytes:
+            raise _Refused(
+                413,
+                "request_too_large",
+                f"request body exceeds the limit of {self.max_bytes} bytes",
+            )
+        if self.inflight_bytes + size - held[0] > self.max_inflight_bytes:
+            raise _Refused(
+                503,
+                "overloaded_error",
+                "the server is at its limit of request bytes in flight; retry shortly",
+            )
+        self.inflight_bytes += size - held[0]
+        held[0] = size
+
+    async def _read(self, scope: Scope, receive: Receive, held: list[int]) -> bytes | None:
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit():
+            self._hold(held, int(declared))  # refuse before reading a byte of it
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > held[0]:
+                self._hold(held, size)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if replayed:
+            return await receive()  # after the body: disconnect notices come from here
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _check_shape(value: Any, check_strings: bool) -> None:
+    """Depth within MAX_JSON_DEPTH and, when asked, every string encodable (no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = [*item.keys(), *item.values()] if check_strings else item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            if check_strings and isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BodyError("request body holds a lone UTF-16 surrogate") from None
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a ``BodyError`` that says what is wrong with it."""
+    try:
+        body = jsonbytes.loads_stdlib(raw)
+    except RecursionError:
+        raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # invalid JSON or invalid UTF-8
+        raise BodyError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
+    _check_shape(body, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
+    return body
