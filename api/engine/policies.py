@@ -12,7 +12,7 @@ Script format (YAML)::
         error: {status: 500, message: "engine overloaded"}   # answer this error instead
       - turn: 0                   # number of assistant turns already in the conversation
         think: "The user wants a command run."
-        text: "I'll run it."
+        text: "I'll run it."          # or sampled_words: 6 (words drawn from the model)
         tool_calls:
           - name: Bash
             arguments: {command: "echo hello"}
@@ -104,7 +104,13 @@ def _entry_reply(entry: dict) -> Reply:
         if not isinstance(error, dict):
             error = {"status": error}
         error = (int(error.get("status") or 500), str(error.get("message") or "scripted failure"))
-    return Reply(str(entry.get("think") or ""), str(entry.get("text") or ""), calls, error=error)
+    return Reply(
+        str(entry.get("think") or ""),
+        str(entry.get("text") or ""),
+        calls,
+        sampled_words=int(entry.get("sampled_words") or 0),
+        error=error,
+    )
 
 
 def _allowed(reply: Reply, conversation: Conversation) -> Reply:
