@@ -6,7 +6,9 @@ a no-op. Nothing here raises into the model call.
 
 A reply may reach the harness only over a durable record: the call's entry, or the loss of
 it. So every write is retried with backoff until the call's ``timeout_s`` runs out: the put
-for the first half, then the loss mark. When neither lands, the call is ``unrecorded`` and
+alone for the first ``PUT_SHARE`` of it, then the loss mark, each attempt of which tries the
+put once more first: a store that comes back inside the window gets the entry, not a loss
+that would mask the rollout. When neither lands, the call is ``unrecorded`` and
 the front end answers a retryable 503 instead of the reply; its note that the reply went
 unreceived is then written in the background, once the sink answers again.
 """
@@ -33,6 +35,8 @@ log = logging.getLogger("tokcap.capture")
 DEFAULT_CAPTURE_TIMEOUT_S = 10.0
 # How long the background note of an unserved call keeps trying after the 503.
 UNSERVED_RETRY_S = 120.0
+# The share of a call's timeout in which only the put is tried; then the loss mark too.
+PUT_SHARE = 0.5
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
 # Errors that say the write was decided, not that it failed to happen: never retried.
@@ -155,23 +159,43 @@ def _not_captured(call: CallCapture, reason: str) -> None:
     log.warning("rollout %s call %s not captured: %s", call.rollout_id, call.model_call_id, reason)
 
 
-async def _record_loss(call: CallCapture, reason: str, until: float) -> bool:
-    """Durably note the loss of this call before ``until``; False when that failed."""
+async def _record_loss(
+    call: CallCapture, reason: str, until: float, entry: TokenEntry | None = None
+) -> bool:
+    """Durably note the loss of this call before ``until``; False when that failed.
+
+    With ``entry`` (a put that failed for an outage), each attempt puts it again first: a
+    store that comes back late in the window then gets the entry instead of a loss.
+    """
     call.error = reason
-    log.warning("rollout %s call %s incomplete: %s", call.rollout_id, call.model_call_id, reason)
-    failed = await durably(
-        lambda: call.sink.mark_incomplete(call.rollout_id, call.model_call_id), until
-    )
+    failed = await durably(lambda: _entry_else_loss(call, entry), until)
     if failed is None:
-        call.incomplete = True
+        if call.entry is None:
+            call.incomplete = True
+            log.warning(
+                "rollout %s call %s incomplete: %s", call.rollout_id, call.model_call_id, reason
+            )
         return True
     log.error(
-        "rollout %s call %s: could not record its loss either (%s)",
+        "rollout %s call %s: %s, and its loss could not be recorded either (%s)",
         call.rollout_id,
         call.model_call_id,
+        reason,
         _describe(failed),
     )
     return False
+
+
+async def _entry_else_loss(call: CallCapture, entry: TokenEntry | None) -> None:
+    """One attempt of the last phase: the entry if the store takes it now, else the loss."""
+    if entry is not None:
+        try:
+            await call.sink.put(entry)
+            call.entry = entry
+            return
+        except Exception:  # still out, frozen meanwhile, or refused: record the loss
+            pass
+    await call.sink.mark_incomplete(call.rollout_id, call.model_call_id)
 
 
 async def mark_incomplete(reason: str) -> None:
@@ -183,29 +207,30 @@ async def mark_incomplete(reason: str) -> None:
         call.unrecorded = True
 
 
-async def _put(call: CallCapture, entry: TokenEntry, until: float) -> str | None:
-    """Put the entry before ``until``; None when stored, else why not."""
+async def _put(call: CallCapture, entry: TokenEntry, until: float) -> tuple[str | None, bool]:
+    """Put the entry before ``until``: (None when stored, else why not; whether to retry)."""
     try:
         failed = await durably(lambda: call.sink.put(entry), until)
     except RolloutFrozenError as exc:
         if call.intent_recorded:
             # The frozen snapshot already counts this call's pending intent as lost.
             _not_captured(call, f"put after freeze: {exc}")
-            return None
-        return f"put failed: {type(exc).__name__}: {exc}"
+            return None, False
+        return f"put failed: {type(exc).__name__}: {exc}", False
     except ConflictingEntryError as exc:
-        return f"put failed: {exc}"  # the store marked the loss in the same write
+        return f"put failed: {exc}", False  # the store marked the loss in the same write
     if failed is not None:
-        return f"put failed: {_describe(failed)}"
+        return f"put failed: {_describe(failed)}", True
     call.entry = entry
-    return None
+    return None, False
 
 
 async def capture_tokens(response: Mapping[str, Any], **extra: Any) -> TokenEntry | None:
     """Build this call's entry from a served response and put it; never raises.
 
-    The put is retried for the first half of the call's timeout, the loss mark for the
-    rest; the call is ``unrecorded`` when neither became durable.
+    The put is retried for ``PUT_SHARE`` of the call's timeout; for the rest, the loss mark
+    (after one more put, when the store was out). The call is ``unrecorded`` when neither
+    became durable.
     """
     call = current_call()
     if call is None or call.done:
@@ -218,12 +243,13 @@ async def capture_tokens(response: Mapping[str, Any], **extra: Any) -> TokenEntr
     except Exception as exc:
         await mark_incomplete(f"no usable token ids: {exc}")
         return None
-    problem = await _put(call, entry, started + call.timeout_s / 2)
+    problem, out = await _put(call, entry, started + call.timeout_s * PUT_SHARE)
     if problem is None:
         return call.entry
-    if not await _record_loss(call, problem, started + call.timeout_s):
+    retry = entry if out else None
+    if not await _record_loss(call, problem, started + call.timeout_s, retry):
         call.unrecorded = True
-    return None
+    return call.entry
 
 
 async def void_call() -> None:

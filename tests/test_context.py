@@ -169,7 +169,7 @@ async def test_failed_put_is_retried_then_marks_incomplete_and_never_raises(stor
     sink = FailingPutSink(store)
     async with capture_call("8-2", sink, model_call_id="c", timeout_s=0.4) as call:
         assert await capture_tokens(served([1], [2])) is None
-    assert sink.puts >= 2  # retried for the first half of the timeout
+    assert sink.puts >= 2  # retried for the put phase, then once per loss attempt
     assert call.incomplete and not call.unrecorded and "OSError" in call.error
     snapshot = await store.freeze("8-2")
     assert snapshot.incomplete and snapshot.entries == ()
@@ -225,6 +225,25 @@ async def test_a_put_that_fails_a_few_times_is_retried_until_it_lands(store):
         entry = await capture_tokens(served([1], [2]))
     assert entry is not None and call.entry is entry and not call.incomplete
     snapshot = await store.freeze("8-5")
+    assert not snapshot.incomplete and len(snapshot.entries) == 1
+
+
+async def test_a_store_back_after_the_put_phase_still_gets_the_entry_not_a_loss(store):
+    """Out for 70% of the window: past PUT_SHARE, each loss attempt tries the put first."""
+
+    class OutUntil(FlakySink):
+        async def _outage(self) -> None:
+            self.calls += 1
+            if time.monotonic() < back_at:
+                raise ConnectionError("connection refused")
+
+    back_at = time.monotonic() + 0.7
+    async with capture_call("8-10", OutUntil(store, failures=0), timeout_s=1.0) as call:
+        entry = await capture_tokens(served([1], [2]))
+    assert time.monotonic() > back_at, "the put phase alone did not outlast the outage"
+    assert entry is not None and call.entry is entry
+    assert not call.incomplete and not call.unrecorded
+    snapshot = await store.freeze("8-10")
     assert not snapshot.incomplete and len(snapshot.entries) == 1
 
 
