@@ -164,27 +164,25 @@ async def _delivered_stream(
     """The stream, its final event only to a client still there; else the call is unreceived.
 
     The events are ready-made, so iterating them on the loop avoids a threadpool hop each.
-    If the response is cancelled (the client went away) before the final event, the note is
-    written in the background: the capture context may be gone by then.
+    The generator resumes after its last yield only once the final event was sent. When the
+    client went away first (the response may be cancelled, and the capture context gone with
+    it), the note is written in the background.
     """
     call = current_call()  # the first iteration runs in the request's context; later, maybe not
     final = b""
-    finished = False
+    delivered = False
     try:
         for event in events:
             if final:
                 yield final
             final = event
-        if await request.is_disconnected():
-            await _unreceived(metrics, "the client disconnected before the stream's final event")
-            finished = True
-            return
-        finished = True
-        yield final
+        if not await request.is_disconnected():
+            yield final
+            delivered = True
     finally:
-        if not finished:
+        if not delivered:
             metrics.unreceived.inc()
-            resolve_unserved("the stream was cut before its final event", call)
+            resolve_unserved("the client left before the stream's final event", call)
 
 
 def _request_body(schema: dict[str, Any]) -> dict[str, Any]:
