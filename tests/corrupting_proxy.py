@@ -5,6 +5,7 @@
         proxy.mode = "drop_last_id"   # takes effect from the next request
         proxy.delay_s = 2.0           # wait before forwarding each model call
         proxy.mode = None             # forward untouched
+        proxy.schedule = itertools.cycle(["nan_logprob", None])  # a mode per model call
 
 ``POST /v1/chat/completions`` is forwarded with httpx and its JSON reply rewritten by the
 current ``mode`` (one of ``MODES``); every other path (``/v1/models``, ``/version``,
@@ -12,16 +13,19 @@ current ``mode`` (one of ``MODES``); every other path (``/v1/models``, ``/versio
 each model call is forwarded, for fault tests that need a call in flight. Both are plain
 attributes, read per request, so a test may change them between calls. Non-finite numbers
 are written as the stdlib writes them (``NaN``, ``Infinity``), which is not strict JSON.
-``requests`` counts the requests per path and ``corrupted`` the replies rewritten.
+``schedule``, when set, gives each model call's mode in turn instead of ``mode``.
+``requests`` counts the requests per path, ``corrupted`` the replies rewritten and
+``applied`` those per mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -106,19 +110,28 @@ class CorruptingProxy:
         self.engine = engine
         self.mode = mode
         self.delay_s = delay_s
+        self.schedule: Iterator[str | None] | None = None
         self.url = ""
         self.requests: Counter[str] = Counter()
         self.corrupted = 0
+        self.applied: Counter[str] = Counter()
         self.app = self._build_app()
 
     def corrupt(self, data: dict[str, Any]) -> dict[str, Any]:
         """The reply as the current mode rewrites it (in place); unknown modes fail loudly."""
-        if self.mode is not None:
-            if self.mode not in MODES:
-                raise ValueError(f"unknown corruption mode {self.mode!r}; known: {sorted(MODES)}")
-            MODES[self.mode](data)
+        mode = next(self.schedule) if self.schedule is not None else self.mode
+        if mode is not None:
+            if mode not in MODES:
+                raise ValueError(f"unknown corruption mode {mode!r}; known: {sorted(MODES)}")
+            MODES[mode](data)
             self.corrupted += 1
+            self.applied[mode] += 1
         return data
+
+    def interleave(self, clean_calls: int, modes: Iterable[str] = MODES) -> None:
+        """From now on, each mode in turn on one call, then ``clean_calls`` calls untouched."""
+        plan = [step for mode in modes for step in [mode, *[None] * clean_calls]]
+        self.schedule = itertools.cycle(plan)
 
     def _build_app(self) -> FastAPI:
         http = httpx.AsyncClient(base_url=self.engine, timeout=60)
