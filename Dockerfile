@@ -11,6 +11,8 @@ COPY pyproject.toml README.md ./
 COPY capture ./capture
 COPY transports ./transports
 COPY api ./api
+COPY engine ./engine
+COPY tokcap ./tokcap
 RUN pip install . \
     && useradd --system --uid 10001 --home-dir /app tokcap
 COPY deploy/tokcap.yaml /etc/tokcap/tokcap.yaml

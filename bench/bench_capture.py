@@ -33,13 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from capture.builder import run_builder  # noqa: E402
-from capture.codec import encode_entry  # noqa: E402
-from capture.records import TokenEntry  # noqa: E402
-from capture.store import TokenCaptureStore  # noqa: E402
-from tests.rollouts import growing_rollout  # noqa: E402
+from capture.build.builder import run_builder
+from capture.codec.entries import encode_entry
+from capture.filestore.store import TokenCaptureStore
+from capture.records import TokenEntry
+from tests.support.rollouts import growing_rollout
 
 SYSTEM_TOKENS = 2_000
 GENERATED_PER_TURN = 200

@@ -15,10 +15,10 @@ import time
 
 import httpx
 
-from api.engine import EngineSettings, create_app
-from api.engine.tokenizer import load_tokenizer
-from api.engine.train_tokenizer import CORPUS_PATH
-from tests.servers import serve_app
+from engine import EngineSettings, create_app
+from engine.tokenizer import load_tokenizer
+from engine.train_tokenizer import CORPUS_PATH
+from tests.support.servers import serve_app
 
 
 def prompt_of(tokens: int) -> str:

@@ -35,7 +35,7 @@ import httpx
 
 from api.upstream import CAPTURE_PARAMS
 from bench.bench_engine import prompt_of
-from tests.servers import free_port, run_process
+from tests.support.servers import free_port, run_process
 
 CONFIG = """
 model_server:
@@ -77,7 +77,7 @@ def servers(
     engine_port, front_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     front = f"http://127.0.0.1:{front_port}"
-    engine_cmd = [sys.executable, "-m", "api.engine.cli", "--port", str(engine_port), *server_args]
+    engine_cmd = [sys.executable, "-m", "engine.cli", "--port", str(engine_port), *server_args]
     front_cmd = [
         sys.executable,
         "-m",

@@ -16,7 +16,6 @@ import asyncio
 import hashlib
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,18 +23,16 @@ from typing import Any
 
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from api.redis_server import RedisServer  # noqa: E402
-from bench.bench_capture import (  # noqa: E402
+from bench.bench_capture import (
     STORE_KINDS,
     StoreKind,
     bench_store,
     print_table,
     synthetic_rollout,
 )
-from transports.redis import RedisTokenStore  # noqa: E402
-from transports.redis_keys import rollout_key  # noqa: E402
+from tokcap.redis_server import RedisServer
+from transports.redis import RedisTokenStore
+from transports.redis.keys import rollout_key
 
 PUT_TURN = 50  # 2,000 system tokens + 50 turns x 500 = 27,000 prompt tokens
 

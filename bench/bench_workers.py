@@ -23,15 +23,13 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from api.processes import Service  # noqa: E402
-from api.redis_server import RedisServer  # noqa: E402
-from capture.records import TokenEntry  # noqa: E402
-from tests.rollouts import growing_rollout  # noqa: E402
-from transports.queue import RebuildQueue, stream_names  # noqa: E402
-from transports.redis import RedisTokenStore  # noqa: E402
-from transports.results import decode_result, ensure_group  # noqa: E402
+from capture.records import TokenEntry
+from tests.support.rollouts import growing_rollout
+from tokcap.processes import Service
+from tokcap.redis_server import RedisServer
+from transports.rebuild.jobs import RebuildQueue, stream_names
+from transports.rebuild.results import decode_result, ensure_group
+from transports.redis import RedisTokenStore
 
 
 def rollout_entries(rollout_id: str, args: argparse.Namespace) -> list[TokenEntry]:
@@ -76,7 +74,7 @@ async def measure(url: str, workers: int, args, log_dir: str, trial: int = 0) ->
             procs.append(
                 Service(
                     f"w{workers}-{n}",
-                    "transports.worker_cli",
+                    "transports.cli.worker",
                     [
                         "--url",
                         url,

@@ -165,7 +165,9 @@ class TokenIdCaptureConfig(BaseModel):
             _check_sink(sink, self.sink)
             return sink
         if self.dir:
-            from capture.store import TokenCaptureStore  # the file store loads only when used
+            from capture.filestore.store import (
+                TokenCaptureStore,  # the file store loads only when used
+            )
 
             return TokenCaptureStore(self.dir)
         return None

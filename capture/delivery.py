@@ -26,7 +26,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from capture.builder import BuildResult, run_builder
+from capture.build.builder import BuildResult, run_builder
 from capture.errors import InvalidRolloutIdError, TokenCaptureError
 from capture.records import TOKEN_FIELDS, TokenCaptureSnapshot
 from capture.rollout_ids import rollout_id_from_run_body, validate_rollout_id

@@ -1,0 +1,1 @@
+"""Rebuilding a rollout: prefix merging, the contiguous projection, the final answer."""

@@ -1,0 +1,422 @@
+"""Rebuild one rollout from its entries: link calls by token prefixes, pick the main chain.
+
+A harness re-sends the whole history with every call, so a call's prompt starts with the
+prompt and generation of the call it continues: its parent is the earlier call whose
+prompt+generation is the longest prefix of its prompt. Calls that generated nothing are set
+aside (counted). Calls are ordered by prompt length, then call id, so arrival order never
+matters. Two identical candidate parents make a call ambiguous (quarantined): its tokens
+are known, but not which generation they continue. Siblings with identical prompts are
+retries: the one a later call extended is kept; when none was extended the retry is
+unresolved and the rollout is masked.
+
+Chains are root-to-leaf paths, computed in one forward pass (no recursion, so 10,000-turn
+rollouts are fine); a chain through a quarantined call is flagged, and the rollout is
+masked when that chain is the one delivered. The main chain is the one whose leaf produced
+the harness's final answer, when exactly one leaf matches; a final answer that matches no
+leaf (or several) masks the rollout. Without a final answer the only root's longest path is
+delivered, and several roots mask the rollout: a stranger's call or a title call must never
+become the delivered chain by arriving first. Other chains (titles, compaction summaries,
+sub-agents) are reported, never silently dropped. A call whose reply the harness never
+received (``snapshot.unreceived``) is left out unless a later call extends it, and counted.
+
+Full sequences are indexed by their first tokens and by length, and a prompt tries the
+longest candidate lengths first, so an ordinary chain finds its parent with one comparison
+and the whole build costs about one pass over the ids.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right, insort
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from capture.build.final_answer import answer_signature
+from capture.build.projection import flat_ids_and_mask, project_chain
+from capture.errors import ConflictingEntryError
+from capture.records import TokenEntry
+
+# Full sequences are grouped by their first tokens, so an unrelated root (a title call with
+# its own system prompt) is never compared against every call of the main chain.
+_KEY_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class ChainInfo:
+    """One root-to-leaf path of the rebuilt rollout."""
+
+    root: str
+    leaf: str
+    calls: int
+    generated_tokens: int
+    quarantined: bool
+    main: bool
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What a rebuild found: the call graph, the delivered chain and its projection."""
+
+    rollout_id: str
+    n_calls: int
+    parents: dict[str, str | None]
+    main_chain: tuple[str, ...]
+    main_chain_by: str  # "final_answer", "only_root", or "" when nothing is delivered
+    chains: tuple[ChainInfo, ...]
+    roots: tuple[str, ...]
+    quarantined: tuple[str, ...]
+    empty_generation: tuple[str, ...]
+    unreceived: tuple[str, ...]  # left out: the harness never got them and nothing extends them
+    discarded_retries: tuple[str, ...]
+    unresolved_retries: tuple[tuple[str, ...], ...]
+    generated_tokens_captured: int
+    generated_tokens_delivered: int
+    mask_reasons: tuple[str, ...]
+    output: tuple[dict[str, Any], ...] = field(repr=False)
+    main_entries: tuple[TokenEntry, ...] = field(repr=False)
+
+    @property
+    def masked(self) -> bool:
+        return bool(self.mask_reasons)
+
+    @property
+    def quarantined_fraction(self) -> float:
+        return len(self.quarantined) / self.n_calls if self.n_calls else 0.0
+
+    @property
+    def delivered_fraction(self) -> float:
+        captured = self.generated_tokens_captured
+        return self.generated_tokens_delivered / captured if captured else 0.0
+
+    def flat_ids_and_mask(self) -> tuple[list[int], list[int]]:
+        """The delivered token sequence and its loss mask (0 context, 1 generated)."""
+        return flat_ids_and_mask(self.output)
+
+    def metrics(self) -> dict[str, Any]:
+        """The per-rollout metrics the builder knows (delivery adds the capture state)."""
+        return {
+            "n_calls": self.n_calls,
+            "chains": len(self.chains),
+            "roots": len(self.roots),
+            "quarantined_calls": len(self.quarantined),
+            "quarantined_fraction": self.quarantined_fraction,
+            "delivered_fraction": self.delivered_fraction,
+            "generated_tokens_captured": self.generated_tokens_captured,
+            "generated_tokens_delivered": self.generated_tokens_delivered,
+            "empty_generation_calls": len(self.empty_generation),
+            "unreceived_calls": len(self.unreceived),
+            "main_chain_calls": len(self.main_chain),
+            "main_chain_by": self.main_chain_by,
+            "discarded_retries": len(self.discarded_retries),
+            "unresolved_retries": len(self.unresolved_retries),
+        }
+
+
+def _extends(prompt: list[int], parent: TokenEntry) -> bool:
+    """Whether ``prompt`` starts with the parent's prompt + generation.
+
+    Cheap probes first (a sibling branch usually differs at its end); then list equality,
+    which is pointer comparison when the ids share objects, as a store's freeze hands them.
+    """
+    before = parent.prompt_token_ids
+    generation = parent.generation_token_ids
+    start = len(before)
+    end = start + len(generation)
+    if end > len(prompt) or prompt[end - 1] != generation[-1] or prompt[start] != generation[0]:
+        return False
+    if before and prompt[start - 1] != before[-1]:
+        return False
+    return prompt[start:end] == generation and prompt[:start] == before
+
+
+@dataclass
+class _LengthIndex:
+    """Full sequences (as call positions) by length, lengths kept sorted."""
+
+    lengths: list[int] = field(default_factory=list)
+    at: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, length: int, call: int) -> None:
+        calls = self.at.get(length)
+        if calls is None:
+            insort(self.lengths, length)
+            self.at[length] = [call]
+        else:
+            calls.append(call)
+
+    def longest_prefixes(self, prompt: list[int], calls: list[TokenEntry]) -> list[int]:
+        """Calls whose full sequence is the longest prefix of ``prompt`` found here."""
+        position = bisect_right(self.lengths, len(prompt)) - 1
+        while position >= 0:
+            found = [c for c in self.at[self.lengths[position]] if _extends(prompt, calls[c])]
+            if found:
+                return found
+            position -= 1
+        return []
+
+
+def _entries_of(source: Any) -> tuple[str, list[TokenEntry]]:
+    """The rollout id and entries of a snapshot (anything with ``entries``) or an iterable."""
+    raw = getattr(source, "entries", source)
+    entries = [TokenEntry.coerce(entry) for entry in raw]
+    rollout_id = getattr(source, "rollout_id", None)
+    ids = {entry.rollout_id for entry in entries}
+    if rollout_id is None:
+        if len(ids) > 1:
+            raise ValueError(f"entries of several rollouts handed to one build: {sorted(ids)}")
+        rollout_id = next(iter(ids), "")
+    elif ids - {rollout_id}:
+        raise ValueError(
+            f"snapshot of rollout {rollout_id!r} holds entries of {sorted(ids - {rollout_id})}"
+        )
+    return rollout_id, entries
+
+
+def _unique(entries: Iterable[TokenEntry]) -> list[TokenEntry]:
+    """One entry per call id; a repeated identical entry keeps its earliest copy."""
+    by_id: dict[str, TokenEntry] = {}
+    for entry in entries:
+        seen = by_id.get(entry.model_call_id)
+        if seen is None:
+            by_id[entry.model_call_id] = entry
+            continue
+        same = (
+            seen.prompt_token_ids == entry.prompt_token_ids
+            and seen.generation_token_ids == entry.generation_token_ids
+            and seen.generation_log_probs == entry.generation_log_probs
+        )
+        if not same:
+            raise ConflictingEntryError(
+                f"call {entry.model_call_id} appears twice with different token ids"
+            )
+        if entry.created_at < seen.created_at:
+            by_id[entry.model_call_id] = entry
+    return list(by_id.values())
+
+
+def _link(calls: list[TokenEntry]) -> tuple[list[int | None], list[bool]]:
+    """Parent position and ambiguity of each call (calls sorted by prompt length)."""
+    parents: list[int | None] = []
+    ambiguous: list[bool] = []
+    keyed: dict[tuple[int, ...], _LengthIndex] = {}
+    short = _LengthIndex()  # full sequences shorter than the key
+    for position, entry in enumerate(calls):
+        prompt = entry.prompt_token_ids
+        found: list[int] = []
+        if len(prompt) >= _KEY_TOKENS:
+            group = keyed.get(tuple(prompt[:_KEY_TOKENS]))
+            if group is not None:
+                found = group.longest_prefixes(prompt, calls)
+        if not found:
+            found = short.longest_prefixes(prompt, calls)
+        # Candidates are in processing order, so the nominal parent of an ambiguous call
+        # does not depend on arrival order.
+        parents.append(found[0] if found else None)
+        ambiguous.append(len(found) > 1)
+        full = len(prompt) + len(entry.generation_token_ids)
+        if full >= _KEY_TOKENS:
+            key = tuple(
+                (prompt[:_KEY_TOKENS] + entry.generation_token_ids[:_KEY_TOKENS])[:_KEY_TOKENS]
+            )
+            keyed.setdefault(key, _LengthIndex()).add(full, position)
+        else:
+            short.add(full, position)
+    return parents, ambiguous
+
+
+def _retry_groups(parents: list[int | None], calls: list[TokenEntry]) -> list[list[int]]:
+    """Sibling calls with identical prompts (identical prompts imply the same parent)."""
+    buckets: dict[tuple[int | None, int], list[int]] = {}
+    for position, parent in enumerate(parents):
+        size = len(calls[position].prompt_token_ids)
+        buckets.setdefault((parent, size), []).append(position)
+    groups = []
+    for members in buckets.values():
+        if len(members) < 2:
+            continue
+        same: list[list[int]] = []
+        for position in members:
+            prompt = calls[position].prompt_token_ids
+            for group in same:
+                if calls[group[0]].prompt_token_ids == prompt:
+                    group.append(position)
+                    break
+            else:
+                same.append([position])
+        groups.extend(group for group in same if len(group) > 1)
+    return groups
+
+
+def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildResult:
+    """Rebuild a rollout from a snapshot or an iterable of entries.
+
+    ``final_answer`` is what the harness returned (its ``response.output`` items, one item,
+    or a string); it picks the main chain when exactly one leaf produced it.
+    """
+    rollout_id, entries = _entries_of(entries_or_snapshot)
+    entries = _unique(entries)
+    empty = tuple(sorted(e.model_call_id for e in entries if not e.generation_token_ids))
+    calls = sorted(
+        (e for e in entries if e.generation_token_ids),
+        key=lambda e: (len(e.prompt_token_ids), e.model_call_id),
+    )
+    calls, unreceived = _without_unreceived(
+        calls, set(getattr(entries_or_snapshot, "unreceived", ()))
+    )
+    ids = [call.model_call_id for call in calls]
+    parents, ambiguous = _link(calls)
+
+    has_child = [False] * len(calls)
+    for parent in parents:
+        if parent is not None:
+            has_child[parent] = True
+    discarded: set[int] = set()
+    unresolved: list[tuple[str, ...]] = []
+    for group in _retry_groups(parents, calls):
+        if any(has_child[position] for position in group):
+            discarded.update(position for position in group if not has_child[position])
+        else:
+            unresolved.append(tuple(sorted(ids[position] for position in group)))
+
+    # One forward pass: a parent always sorts before its child (its prompt is shorter).
+    depth = [0] * len(calls)
+    generated = [0] * len(calls)
+    tainted = [False] * len(calls)
+    root_of = list(range(len(calls)))
+    for position, parent in enumerate(parents):
+        own = len(calls[position].generation_token_ids)
+        if parent is None:
+            depth[position], generated[position] = 1, own
+            tainted[position] = ambiguous[position]
+        else:
+            depth[position] = depth[parent] + 1
+            generated[position] = generated[parent] + own
+            tainted[position] = tainted[parent] or ambiguous[position]
+            root_of[position] = root_of[parent]
+
+    kept = [position for position in range(len(calls)) if position not in discarded]
+    roots = sorted(
+        (position for position in kept if parents[position] is None),
+        key=lambda position: (calls[position].created_at, ids[position]),
+    )
+    leaves = [position for position in kept if not has_child[position]]
+
+    main_leaf, main_by, unmatched = _main_leaf(calls, ids, leaves, roots, root_of, final_answer)
+    main_path: list[int] = []
+    position = main_leaf
+    while position is not None:
+        main_path.append(position)
+        position = parents[position]
+    main_path.reverse()
+
+    root_rank = {root: rank for rank, root in enumerate(roots)}
+    chains = tuple(
+        ChainInfo(
+            root=ids[root_of[leaf]],
+            leaf=ids[leaf],
+            calls=depth[leaf],
+            generated_tokens=generated[leaf],
+            quarantined=tainted[leaf],
+            main=leaf == main_leaf,
+        )
+        for leaf in sorted(leaves, key=lambda leaf: (root_rank[root_of[leaf]], ids[leaf]))
+    )
+
+    reasons = []
+    if not entries:
+        reasons.append("nothing recorded: the rollout has no entries")
+    elif not calls:
+        reasons.append("no call generated any tokens")
+    elif unmatched:
+        reasons.append(unmatched)
+    for group in unresolved:
+        reasons.append(
+            f"unresolved retry: calls {', '.join(group)} share a prompt and none was extended"
+        )
+    for position in main_path:
+        if ambiguous[position]:
+            reasons.append(
+                f"ambiguous parent on the delivered chain: call {ids[position]} extends "
+                "several identical calls"
+            )
+
+    main_entries = tuple(calls[position] for position in main_path)
+    return BuildResult(
+        rollout_id=rollout_id,
+        n_calls=len(entries),
+        parents={
+            ids[position]: (ids[parent] if parent is not None else None)
+            for position, parent in enumerate(parents)
+        },
+        main_chain=tuple(ids[position] for position in main_path),
+        main_chain_by=main_by,
+        chains=chains,
+        roots=tuple(ids[root] for root in roots),
+        quarantined=tuple(sorted(ids[p] for p in range(len(calls)) if ambiguous[p])),
+        empty_generation=empty,
+        unreceived=unreceived,
+        discarded_retries=tuple(sorted(ids[position] for position in discarded)),
+        unresolved_retries=tuple(sorted(unresolved)),
+        generated_tokens_captured=sum(len(e.generation_token_ids) for e in entries),
+        generated_tokens_delivered=generated[main_leaf] if main_leaf is not None else 0,
+        mask_reasons=tuple(reasons),
+        output=tuple(project_chain(main_entries)),
+        main_entries=main_entries,
+    )
+
+
+def _without_unreceived(
+    calls: list[TokenEntry], unreceived: set[str]
+) -> tuple[list[TokenEntry], tuple[str, ...]]:
+    """Calls without the unreceived ones that no kept call extends, and the ids left out.
+
+    Children sort after their parents, so one backward pass settles every call: an
+    unreceived call is kept only if one of its kept children extends it.
+    """
+    if not unreceived.intersection(call.model_call_id for call in calls):
+        return calls, ()
+    parents, _ = _link(calls)
+    extended = [False] * len(calls)
+    dropped: set[int] = set()
+    for position in range(len(calls) - 1, -1, -1):
+        if calls[position].model_call_id in unreceived and not extended[position]:
+            dropped.add(position)
+        elif parents[position] is not None:
+            extended[parents[position]] = True
+    kept = [call for position, call in enumerate(calls) if position not in dropped]
+    return kept, tuple(sorted(calls[position].model_call_id for position in dropped))
+
+
+def _main_leaf(
+    calls: list[TokenEntry],
+    ids: list[str],
+    leaves: list[int],
+    roots: list[int],
+    root_of: list[int],
+    final_answer: Any,
+) -> tuple[int | None, str, str]:
+    """The leaf that produced the final answer, else the only root's longest path.
+
+    Returns (leaf, how it was chosen, why none could be): a final answer that matches no
+    leaf, or several, and several roots without a final answer, choose nothing.
+    """
+    wanted = answer_signature(final_answer)
+    if wanted is not None:
+        matches = [leaf for leaf in leaves if answer_signature(calls[leaf].output_items) == wanted]
+        if len(matches) == 1:
+            return matches[0], "final_answer", ""
+        if not matches:
+            return None, "", "final answer matches no captured call"
+        return None, "", f"final answer matches {len(matches)} captured calls"
+    if not roots:
+        return None, "", ""
+    if len(roots) > 1:
+        return None, "", f"no final answer to choose among {len(roots)} roots"
+    longest = max(
+        leaves,
+        key=lambda leaf: (
+            len(calls[leaf].prompt_token_ids) + len(calls[leaf].generation_token_ids),
+            ids[leaf],
+        ),
+    )
+    return longest, "only_root", ""

@@ -1,0 +1,1 @@
+"""The shared entry codec: msgpack bodies and content-addressed token blocks."""

@@ -1,0 +1,340 @@
+"""The one entry codec every store shares: a msgpack body and content-addressed blocks.
+
+Successive calls of a rollout re-send the whole history, so each prompt starts with the
+previous call's prompt and generation. An entry's sequence (prompt + generation) is cut into
+chained blocks (see ``capture.codec.blocks``); the same prefix always yields the same names, so each
+block is stored once per rollout and storage grows with the final context, not with
+turns x context. The body keeps the entry's other fields, its log-probs, and the name and
+count of its blocks; ``EncodedEntry.plan`` tells a store which bytes it must add.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import sys
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from capture.codec.blocks import (
+    DIGEST_BYTES,
+    ID_BYTES,
+    ROOT,
+    ROOT_NAME,
+    Block,
+    Writes,
+    block_ids,
+    cached_parent,
+    chain_names,
+    cut,
+    plan_writes,
+    whole_block,
+)
+from capture.records import SCHEMA_VERSION, TokenEntry
+
+# 250 ids: a whole stored block (kind byte, 16-byte parent digest, 1,000 bytes of ids, and
+# Redis's 6-byte string header) fits jemalloc's 1 KiB size class, where 256 would take 1,280.
+DEFAULT_BLOCK_SIZE = 250
+CODEC_VERSION = 2
+_LITTLE = sys.byteorder == "little"
+# Fields the body and blocks store in packed form instead of as msgpack lists.
+_PACKED = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
+# Set at capture; a retried put of the same call may carry another timestamp.
+_NOT_PAYLOAD = ("created_at",)
+
+
+def _pack(values: Iterable[int | float], typecode: str) -> bytes:
+    packed = array(typecode, values)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(data: bytes, typecode: str) -> list[Any]:
+    unpacked = array(typecode)
+    unpacked.frombytes(data)
+    if not _LITTLE:
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
+def pack_ids(ids: Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32."""
+    try:
+        return _pack(ids, "I")
+    except OverflowError as exc:
+        raise ValueError("token ids must be integers in [0, 2**32)") from exc
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    return _unpack(data, "I")
+
+
+def pack_floats(values: Iterable[float]) -> bytes:
+    """Log-probs as little-endian float64: exact, so a round trip changes nothing."""
+    return _pack(values, "d")
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    return _unpack(data, "d")
+
+
+def prompt_blocks(ids: list[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[tuple[str, bytes]]:
+    """Cut ids into (chained digest, packed ids) blocks of ``block_size`` ids."""
+    return [(block.name, block.data) for block in cut(pack_ids(ids), block_size)]
+
+
+@dataclass(frozen=True)
+class EncodedEntry:
+    """An entry ready to store: its body, its sequence's blocks, its payload digest."""
+
+    model_call_id: str
+    body: bytes
+    chain: tuple[Block, ...]
+    digest: str
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def blocks(self) -> tuple[tuple[str, bytes], ...]:
+        """Every block in its whole stored form, first block first."""
+        return tuple((block.name, whole_block(block)) for block in self.chain)
+
+    @property
+    def block_names(self) -> list[str]:
+        return [block.name for block in self.chain]
+
+    def tail_parent(self, held: Container[str]) -> str:
+        """The parent of the first block not in ``held``: whose tail a store that cannot
+        hold every tail should fetch, since that block is the one likely to extend it."""
+        first = next((block for block in self.chain if block.name not in held), None)
+        return first.parent.hex() if first else ROOT_NAME
+
+    def plan(self, held: Container[str], tails: Mapping[str, bytes]) -> Writes:
+        """The blocks and tails a store must add, given the block names and tails it holds."""
+        return plan_writes(list(self.chain), ID_BYTES * self.block_size, held, tails)
+
+
+def _canonical_rest(rest: Mapping[str, Any]) -> bytes:
+    kept = {k: v for k, v in rest.items() if k not in _NOT_PAYLOAD}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"), default=repr).encode()
+
+
+class ChainMemo:
+    """The last whole-block prefix encoded per rollout, for a writer to encode the next call
+    of a rollout incrementally.
+
+    A call's prompt almost always starts with the previous call's sequence, so comparing the
+    ids (one C-level list comparison) replaces packing and hashing the whole context again.
+    Bounded: the least recently used rollouts are forgotten first.
+    """
+
+    def __init__(self, max_rollouts: int = 64) -> None:
+        self.max_rollouts = max_rollouts
+        self._known: OrderedDict[str, tuple[int, list[int], tuple[Block, ...]]] = OrderedDict()
+        self._lock = threading.Lock()  # stores encode in worker threads
+
+    def prefix(self, rollout_id: str, ids: list[int], block_size: int) -> tuple[Block, ...]:
+        """The remembered whole blocks ``ids`` starts with (empty when it does not)."""
+        with self._lock:
+            known = self._known.get(rollout_id)
+        if known is None or known[0] != block_size:
+            return ()
+        _, prefix, blocks = known
+        if len(ids) < len(prefix) or ids[: len(prefix)] != prefix:
+            return ()
+        return blocks
+
+    def remember(
+        self, rollout_id: str, sequence: list[int], chain: list[Block], block_size: int
+    ) -> None:
+        whole = len(sequence) // block_size
+        known = (block_size, sequence[: whole * block_size], tuple(chain[:whole]))
+        with self._lock:
+            self._known[rollout_id] = known
+            self._known.move_to_end(rollout_id)
+            while len(self._known) > self.max_rollouts:
+                self._known.popitem(last=False)
+
+    def forget(self, rollout_id: str) -> None:
+        with self._lock:
+            self._known.pop(rollout_id, None)
+
+
+def encode_entry(
+    entry: Any, block_size: int = DEFAULT_BLOCK_SIZE, memo: ChainMemo | None = None
+) -> EncodedEntry:
+    """Encode an entry (or anything with its fields) into body, blocks and digest.
+
+    With a ``memo``, the blocks of the prefix this writer encoded last time for the rollout
+    are reused instead of packed and hashed again; the result is the same either way.
+    """
+    entry = TokenEntry.coerce(entry)
+    prompt, generation = entry.prompt_token_ids, entry.generation_token_ids
+    prompt_len = len(prompt)
+    reused = memo.prefix(entry.rollout_id, prompt, block_size) if memo is not None else ()
+    start = len(reused) * block_size
+    # Two packs of lists (array's fast path) and one join beat packing a chained iterator.
+    rest = pack_ids(prompt[start:] if start else prompt) + pack_ids(generation)
+    chain = [*reused, *cut(rest, block_size, bytes.fromhex(reused[-1].name) if reused else ROOT)]
+    if memo is not None:
+        memo.remember(entry.rollout_id, [*prompt, *generation], chain, block_size)
+    generated = len(generation)
+    log_probs = pack_floats(entry.generation_log_probs)
+    fields = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied
+    body = msgpack.packb(
+        {
+            "codec": CODEC_VERSION,
+            "fields": fields,
+            "prompt_len": prompt_len,
+            "generated": generated,
+            "tip": chain[-1].name if chain else "",
+            "n_blocks": len(chain),
+            "log_probs": log_probs,
+        },
+        use_bin_type=True,
+    )
+    # The sequence enters the digest through its chain tip at the default block size, not
+    # the store's, so writers with any block size agree; at the default size (the usual
+    # case) the ids are hashed once, for the chain, and not a second time for the digest.
+    if block_size == DEFAULT_BLOCK_SIZE:
+        canonical = chain
+    else:
+        canonical = cut(pack_ids(prompt) + pack_ids(generation), DEFAULT_BLOCK_SIZE)
+    hasher = hashlib.blake2b(prompt_len.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
+    hasher.update(canonical[-1].name.encode() if canonical else b"-")
+    hasher.update(log_probs)
+    hasher.update(_canonical_rest(fields))
+    return EncodedEntry(entry.model_call_id, body, tuple(chain), hasher.hexdigest(), block_size)
+
+
+def entry_digest(entry: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> str:
+    """The canonical payload digest used by the idempotency check (any block size)."""
+    return encode_entry(entry, block_size).digest
+
+
+def read_body(body: bytes) -> dict[str, Any]:
+    """A stored body's fields (``prompt_len``, ``generated``, ``tip``...), version-checked."""
+    data = msgpack.unpackb(body, raw=False)
+    if data.get("codec", 0) > CODEC_VERSION:
+        raise ValueError(
+            f"entry body has codec {data['codec']}, this tokcap reads up to {CODEC_VERSION}"
+        )
+    return data
+
+
+def decode_entries(
+    bodies: Iterable[bytes], blocks: Mapping[str, bytes], *, trusted: bool = False
+) -> list[TokenEntry]:
+    """Decode every entry of one snapshot, sharing the work between them; input order kept.
+
+    Shorter chains are decoded first, so each entry starts from the prefix its parent call
+    already assembled.
+    """
+    bodies = list(bodies)
+    order = sorted(range(len(bodies)), key=lambda i: read_body(bodies[i])["n_blocks"])
+    cache: dict[Any, Any] = {}
+    decoded: dict[int, TokenEntry] = {}
+    # Millions of fresh list slots would trigger full collections that scan them all, for
+    # nothing: these lists hold only ints and cannot form cycles.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for index in order:
+            decoded[index] = decode_entry(bodies[index], blocks, cache=cache, trusted=trusted)
+    finally:
+        # Move what was just allocated straight to the oldest generation (freeze, then
+        # unfreeze): the young-generation passes would otherwise each walk every id slot of
+        # every entry, and nothing here can be cyclic garbage.
+        gc.freeze()
+        gc.unfreeze()
+        if collecting:
+            gc.enable()
+    return [decoded[index] for index in range(len(bodies))]
+
+
+def body_block_names(body: bytes, blocks: Mapping[str, bytes]) -> list[str]:
+    """The block names a stored body's chain runs through, first block first."""
+    data = read_body(body)
+    return chain_names(data["tip"], data["n_blocks"], blocks)
+
+
+def _assemble(
+    tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any]
+) -> list[int]:
+    """The ids of the chain ending in ``tip``.
+
+    The walk back from the tip stops at the longest prefix an earlier entry of this snapshot
+    already assembled (recorded at its tip's parent, a whole block), so a long rollout copies
+    one list per entry instead of walking and extending every block of every prompt.
+    """
+    names: list[str] = []
+    name = tip
+    start: list[int] = []
+    previous: str | None = None  # the last block already in ``start``
+    while len(names) < count:
+        known = cache.get(("seq", name))
+        if known is not None:
+            assembled, length, depth = known
+            if depth + len(names) != count:
+                raise ValueError(f"block chain ending in {tip} does not have {count} blocks")
+            start, previous = assembled[:length], name
+            break
+        names.append(name)
+        name = cached_parent(name, blocks, cache)
+    else:
+        if count and name != ROOT_NAME:
+            raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
+    sequence = start
+    depth = count - len(names)
+    for name in reversed(names):
+        ids = cache.get(("ids", name))
+        if ids is None:
+            ids = cache["ids", name] = unpack_ids(block_ids(name, blocks, cache))
+        if name == tip and previous is not None:
+            # Up to the tip's parent is a prefix later entries extend; the list is shared
+            # read-only, so it is recorded with its length rather than copied.
+            cache["seq", previous] = (sequence, len(sequence), depth)
+        sequence.extend(ids)
+        previous = name
+        depth += 1
+    return sequence
+
+
+def decode_entry(
+    body: bytes,
+    blocks: Mapping[str, bytes],
+    *,
+    cache: dict[Any, Any] | None = None,
+    trusted: bool = False,
+) -> TokenEntry:
+    """Rebuild an entry from its body and a lookup of the rollout's stored blocks.
+
+    Entries of one rollout share most of their blocks: a ``cache`` shared across one snapshot
+    resolves and unpacks each block once, and shares its id objects between entries.
+    ``trusted`` skips re-validation for bodies this codec wrote after validating them, which
+    dominates freeze time on long rollouts.
+    """
+    data = read_body(body)
+    cache = {} if cache is None else cache
+    sequence = _assemble(data["tip"], data["n_blocks"], blocks, cache)
+    prompt_len, generated = data["prompt_len"], data["generated"]
+    if len(sequence) != prompt_len + generated:
+        raise ValueError(
+            f"stored sequence has {len(sequence)} ids but the entry says {prompt_len} + {generated}"
+        )
+    fields = {
+        **data["fields"],
+        "prompt_token_ids": sequence[:prompt_len],
+        "generation_token_ids": sequence[prompt_len:],
+        "generation_log_probs": unpack_floats(data["log_probs"]),
+    }
+    if trusted and fields.get("schema_version", 1) <= SCHEMA_VERSION:
+        return TokenEntry.model_construct(**fields)
+    return TokenEntry.model_validate(fields)

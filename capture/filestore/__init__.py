@@ -1,0 +1,1 @@
+"""The node-local file store: one append-only, fsynced log per rollout."""

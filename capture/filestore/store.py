@@ -1,0 +1,374 @@
+"""The node-local file store: the default token sink, and a token source for one node.
+
+Each rollout is one append-only log (``<dir>/<rollout_id>.log``, see ``capture.filestore.log``) of
+small records: entries, intents, voids, lost-call marks and the freeze. Entries use the shared
+codec, and a record carries only the blocks the rollout has not stored yet, so the
+bytes on disk grow with the final context, not with turns x context. Every write is fsynced
+before the call returns. The version is the number of state changes, so any write that races
+a freeze leaves the frozen snapshot's version behind and its drop fails. Dropping replaces
+the log by a tombstone (the frozen state with ``snapshot_id`` and ``version``) so a late
+writer still sees the freeze; tombstones are swept after ``tombstone_ttl_s``.
+
+Blocking file work runs in a worker thread so the event loop of a model server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, encode_entry
+from capture.errors import (
+    ConflictingEntryError,
+    RolloutFrozenError,
+    TokenCaptureError,
+)
+from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
+from capture.filestore.records import RolloutState, entries_from_records, head_record, put_record
+from capture.records import TokenCaptureSnapshot, TokenEntry
+from capture.rollout_ids import validate_rollout_id
+
+LOG_SUFFIX = ".log"
+_CACHED_ROLLOUTS = 1024
+_PEEK_BYTES = 1 << 20  # a tomb is small; a larger second record is an entry
+
+
+@dataclass
+class _Cached:
+    """A rollout's folded state as of ``offset``, valid while the log starts with ``head``."""
+
+    head: bytes
+    offset: int
+    state: RolloutState
+
+
+class TokenCaptureStore:
+    """Node-local, crash-safe, multi-process token store (sink and source)."""
+
+    def __init__(
+        self,
+        dir: str | os.PathLike[str],
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        tombstone_ttl_s: float = 7 * 24 * 3600,
+        fsync: bool = True,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.dir = Path(dir).expanduser().resolve()
+        self.block_size = block_size
+        self._memo = ChainMemo()  # re-encodes only what a rollout's next call adds
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.fsync = fsync
+        self._closed = False
+        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        if not self.dir.is_dir():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if fsync:
+                fsync_dir(self.dir.parent)
+
+    def __repr__(self) -> str:
+        return f"TokenCaptureStore({str(self.dir)!r})"
+
+    # -- sink ---------------------------------------------------------------------------
+
+    async def put(self, entry: Any) -> None:
+        """Record one call's entry; durable on return. See the module docstring."""
+        return await self._run(self._put, TokenEntry.coerce(entry))
+
+    async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
+        """Durably note a lost call; allowed after freeze and drop (it advances the version)."""
+        await self._run(self._mark_incomplete, rollout_id, model_call_id, "")
+
+    async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Durable intent before dispatch; an intent without an entry makes a freeze incomplete."""
+        await self._run(self._intent, rollout_id, model_call_id, "intent")
+
+    async def void_call(self, rollout_id: str, model_call_id: str) -> None:
+        """Resolve the intent of a call that returned nothing (not a loss)."""
+        await self._run(self._intent, rollout_id, model_call_id, "void")
+
+    async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
+        """Note that the harness never received this call's reply; refused after freeze."""
+        await self._run(self._intent, rollout_id, model_call_id, "unreceived")
+
+    # -- source -------------------------------------------------------------------------
+
+    async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        """Stop writes and return one consistent snapshot; idempotent while nothing changes."""
+        return await self._run(self._freeze, rollout_id)
+
+    async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """Retire exactly that snapshot, leaving a tombstone; False if anything changed."""
+        return await self._run(self._drop, rollout_id, snapshot_id, version)
+
+    # -- administration -----------------------------------------------------------------
+
+    async def delete(self, rollout_id: str) -> None:
+        """Remove everything of a rollout, tombstone included (administrative)."""
+        await self._run(self._delete, rollout_id)
+
+    async def sweep_tombstones(self, older_than_s: float | None = None) -> int:
+        """Delete tombstones retired more than ``older_than_s`` (default: the TTL) ago."""
+        ttl = self.tombstone_ttl_s if older_than_s is None else older_than_s
+        return await self._run(self._sweep, ttl)
+
+    async def inspect(self, rollout_id: str) -> dict[str, Any]:
+        """A summary of a rollout's stored state, without changing it."""
+        return await self._run(self._inspect, rollout_id)
+
+    async def rollouts(self) -> list[str]:
+        """Ids of every rollout with a log (open, frozen or tombstone)."""
+        return await self._run(self._rollout_ids)
+
+    async def close(self) -> None:
+        self._closed = True
+        with self._cache_lock:
+            self._cache.clear()
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        if self._closed:
+            raise TokenCaptureError(f"{self!r} is closed")
+        return await asyncio.to_thread(fn, *args)
+
+    # -- work done under a rollout's lock, in a worker thread ---------------------------
+
+    def _path(self, rollout_id: str) -> str:
+        validate_rollout_id(rollout_id)
+        directory = str(self.dir)
+        path = os.path.join(directory, rollout_id + LOG_SUFFIX)
+        # The id pattern already forbids separators and leading dots; this is the backstop.
+        if os.path.dirname(path) != directory:
+            raise ValueError(f"rollout id {rollout_id!r} escapes {directory}")
+        return path
+
+    def _load(self, rollout_id: str, log: LockedLog) -> RolloutState:
+        """The rollout's current state, reading only what was appended since last time."""
+        with self._cache_lock:
+            cached = self._cache.get(rollout_id)
+        if cached is not None and (
+            log.size < cached.offset or log.pread(len(cached.head), 0) != cached.head
+        ):
+            cached = None  # the log was replaced or deleted since (another process, a drop)
+        records = log.read_from(cached.offset if cached else 0)
+        state = cached.state if cached else RolloutState()
+        for _, record in records:
+            state.apply(record)
+        if cached is None and records:
+            cached = _Cached(head=log.pread(records[0][0], 0), offset=0, state=state)
+        self._remember(rollout_id, log, cached)
+        return state
+
+    def _remember(self, rollout_id: str, log: LockedLog | None, cached: _Cached | None) -> None:
+        with self._cache_lock:
+            if cached is None or log is None:
+                self._cache.pop(rollout_id, None)
+                return
+            cached.offset = log.size
+            self._cache[rollout_id] = cached
+            self._cache.move_to_end(rollout_id)
+            while len(self._cache) > _CACHED_ROLLOUTS:
+                self._cache.popitem(last=False)
+
+    def _append(
+        self, rollout_id: str, log: LockedLog, state: RolloutState, records: list[dict]
+    ) -> None:
+        """Append records durably and fold them into the state; a new log gets its head."""
+        head = head_record(rollout_id) if log.size == 0 else None
+        log.append([head, *records] if head else records)
+        if head and self.fsync:
+            fsync_dir(self.dir)  # the new log's directory entry must survive a crash too
+        for record in records:
+            state.apply(record)
+        with self._cache_lock:
+            cached = self._cache.get(rollout_id)
+        if head:
+            cached = _Cached(head=frame(head), offset=0, state=state)
+        elif cached is None or cached.state is not state:
+            cached = None  # evicted meanwhile; the next load reads the log again
+        self._remember(rollout_id, log, cached)
+
+    def _frozen_error(self, rollout_id: str, state: RolloutState) -> RolloutFrozenError:
+        what = "retired" if state.retired else "frozen"
+        return RolloutFrozenError(
+            f"rollout {rollout_id} is {what} (snapshot {state.snapshot_id}); "
+            "no call can be recorded after freeze"
+        )
+
+    def _put(self, entry: TokenEntry) -> None:
+        path = self._path(entry.rollout_id)
+        encoded = encode_entry(entry, self.block_size, self._memo)
+        with locked_log(path, create=True, fsync=self.fsync) as log:
+            assert log is not None
+            state = self._load(entry.rollout_id, log)
+            if state.frozen:
+                raise self._frozen_error(entry.rollout_id, state)
+            stored = state.calls.get(entry.model_call_id)
+            if stored == encoded.digest:
+                return
+            if stored is not None:
+                reason = f"call {entry.model_call_id} was put twice with different payloads"
+                self._append(
+                    entry.rollout_id,
+                    log,
+                    state,
+                    [{"k": "lost", "call": entry.model_call_id, "reason": reason}],
+                )
+                raise ConflictingEntryError(
+                    f"rollout {entry.rollout_id}: {reason}; the rollout is marked incomplete"
+                )
+            self._append(entry.rollout_id, log, state, [put_record(entry, encoded, state)])
+
+    def _mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        path = self._path(rollout_id)
+        reason = reason or (
+            f"call {model_call_id} was marked incomplete"
+            if model_call_id
+            else "the rollout was marked incomplete"
+        )
+        with locked_log(path, create=True, fsync=self.fsync) as log:
+            assert log is not None
+            state = self._load(rollout_id, log)
+            self._append(
+                rollout_id, log, state, [{"k": "lost", "call": model_call_id, "reason": reason}]
+            )
+
+    def _intent(self, rollout_id: str, model_call_id: str, kind: str) -> None:
+        path = self._path(rollout_id)
+        if not model_call_id:
+            raise ValueError("model_call_id must not be empty")
+        # A receipt mark may precede a put still in flight (the front end gave up waiting for
+        # it), so it creates the log too.
+        create = kind in ("intent", "unreceived")
+        with locked_log(path, create=create, fsync=self.fsync) as log:
+            if log is None:  # voiding a call of a rollout with no log: nothing to resolve
+                return
+            state = self._load(rollout_id, log)
+            if kind == "void" and model_call_id not in state.pending_intents:
+                return  # nothing to resolve, frozen or not
+            if state.frozen:
+                raise self._frozen_error(rollout_id, state)
+            if kind == "intent" and (
+                model_call_id in state.intents or model_call_id in state.calls
+            ):
+                return  # already recorded, or already resolved by its entry
+            self._append(rollout_id, log, state, [{"k": kind, "call": model_call_id}])
+
+    def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
+        path = self._path(rollout_id)
+        with locked_log(path, create=True, fsync=self.fsync) as log:
+            assert log is not None
+            state = self._load(rollout_id, log)
+            if not state.frozen:
+                freeze = {"k": "freeze", "snapshot_id": uuid.uuid4().hex, "at": time.time()}
+                self._append(rollout_id, log, state, [freeze])
+            entries = self._read_entries(log) if not state.retired else []
+        reasons = list(state.lost)
+        reasons += [f"call {call} has an intent but no entry" for call in state.pending_intents]
+        if state.retired:
+            reasons.append("the rollout was retired; its entries were dropped")
+        return TokenCaptureSnapshot(
+            rollout_id=rollout_id,
+            entries=tuple(sorted(entries, key=lambda entry: entry.model_call_id)),
+            incomplete=bool(reasons),
+            snapshot_id=state.snapshot_id,
+            version=state.version,
+            incomplete_reasons=tuple(reasons),
+            unreceived=tuple(sorted(state.unreceived)),
+        )
+
+    def _read_entries(self, log: LockedLog) -> list[TokenEntry]:
+        return entries_from_records(record for _, record in log.read_from(0))
+
+    def _drop(self, rollout_id: str, snapshot_id: str, version: int) -> bool:
+        path = self._path(rollout_id)
+        with locked_log(path, create=False, fsync=self.fsync) as log:
+            if log is None:
+                return False
+            state = self._load(rollout_id, log)
+            if not state.frozen or (state.snapshot_id, state.version) != (snapshot_id, version):
+                return False
+            if state.retired:
+                return True
+            head = head_record(rollout_id)
+            lost = state.lost + [
+                f"call {c} has an intent but no entry" for c in state.pending_intents
+            ]
+            tomb = {
+                "k": "tomb",
+                "snapshot_id": snapshot_id,
+                "version": version,
+                "lost": lost,
+                "at": time.time(),
+            }
+            log.replace([head, tomb])
+            self._remember(rollout_id, None, None)
+            return True
+
+    def _delete(self, rollout_id: str) -> None:
+        path = self._path(rollout_id)
+        with locked_log(path, create=False, fsync=self.fsync) as log:
+            if log is not None:
+                log.remove()
+            self._remember(rollout_id, None, None)
+
+    def _sweep(self, older_than_s: float) -> int:
+        cutoff = time.time() - older_than_s
+        swept = 0
+        for rollout_id in self._rollout_ids():
+            with locked_log(self._path(rollout_id), create=False, fsync=self.fsync) as log:
+                if log is None:
+                    continue
+                # A tombstone log starts head, tomb: read just that, not a whole open rollout.
+                records = log.read_first(2, max_bytes=_PEEK_BYTES)
+                tomb = records[1] if len(records) > 1 else {}
+                if tomb.get("k") == "tomb" and tomb["at"] <= cutoff:
+                    log.remove()
+                    self._remember(rollout_id, None, None)
+                    swept += 1
+        return swept
+
+    def _inspect(self, rollout_id: str) -> dict[str, Any]:
+        path = self._path(rollout_id)
+        with locked_log(path, create=False, fsync=self.fsync) as log:
+            state = self._load(rollout_id, log) if log is not None else None
+        exists = state is not None and (state.version > 0 or state.retired)
+        state = state or RolloutState()
+        if not exists:
+            status = "absent"
+        elif state.retired:
+            status = "retired"
+        else:
+            status = "frozen" if state.frozen else "open"
+        return {
+            "rollout_id": rollout_id,
+            "state": status,
+            "calls": len(state.calls),
+            "pending_intents": len(state.pending_intents),
+            "unreceived": len(state.unreceived),
+            "incomplete": state.incomplete,
+            "version": state.version,
+            "snapshot_id": state.snapshot_id,
+            "prompt_tokens_max": state.prompt_tokens_max,
+            "generated_tokens": state.generated_tokens,
+            "tombstone": state.retired,
+        }
+
+    def _rollout_ids(self) -> list[str]:
+        names = []
+        for name in os.listdir(self.dir):
+            if name.endswith(LOG_SUFFIX):
+                rollout_id = name[: -len(LOG_SUFFIX)]
+                try:
+                    names.append(validate_rollout_id(rollout_id))
+                except ValueError:
+                    continue
+        return sorted(names)

@@ -1,0 +1,106 @@
+"""``tokcap engine``: run the tokcap engine (also ``python -m engine.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .settings import EngineSettings, load_generation_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--model", default="tokcap-engine", help="served model name")
+    parser.add_argument("--policy", choices=["scripted", "random"], default="scripted")
+    parser.add_argument("--script", default=None, help="YAML script for the scripted policy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: shipped)")
+    parser.add_argument("--ground-truth", default=None, help="append sampled sequences (JSONL)")
+    parser.add_argument(
+        "--generation-config", default=None, help="YAML with default temperature, top_p, max_tokens"
+    )
+    parser.add_argument(
+        "--noncanonical-rate",
+        type=float,
+        default=0.0,
+        help="per-token chance of a non-canonical two-token segmentation",
+    )
+    parser.add_argument(
+        "--think-strip", action="store_true", help="the chat template drops past <think> blocks"
+    )
+    parser.add_argument(
+        "--json-reserialize",
+        action="store_true",
+        help="tool-call JSON is generated compact, re-rendered with spaces",
+    )
+    parser.add_argument(
+        "--without-token-ids",
+        action="store_true",
+        help="answer like vLLM < 0.10.2: no prompt_token_ids/token_ids fields",
+    )
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="event loop (default auto: uvloop)",
+    )
+    parser.add_argument(
+        "--http",
+        choices=["auto", "h11", "httptools"],
+        default="auto",
+        help="HTTP/1.1 parser (default auto: httptools)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    settings = EngineSettings(
+        model=args.model,
+        policy=args.policy,
+        script_path=args.script,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        tokenizer_path=args.tokenizer,
+        ground_truth_path=args.ground_truth,
+        noncanonical_rate=args.noncanonical_rate,
+        think_strip=args.think_strip,
+        json_reserialize=args.json_reserialize,
+        token_id_fields=not args.without_token_ids,
+    )
+    if args.generation_config:
+        settings.generation_config = load_generation_config(args.generation_config)
+        settings.__post_init__()
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server import create_app
+
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"tokcap engine: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        loop=args.loop,
+        http=args.http,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokcap engine", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Settings of one tokcap engine: what it serves, how it speaks, and what it gets wrong.
+
+The generation config holds the defaults applied when a request omits a sampling field,
+as vLLM applies a model's ``generation_config.json``; it can come from a YAML file with
+keys ``temperature``, ``top_p`` and ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+GENERATION_KEYS = ("temperature", "top_p", "max_tokens")
+
+
+@dataclass
+class EngineSettings:
+    model: str = "tokcap-engine"
+    policy: str = "scripted"  # "scripted" | "random"
+    script_path: str | None = None  # None: engine/assets/default_script.yaml
+    seed: int = 0
+    max_model_len: int = 131072
+    tokenizer_path: str | None = None  # None: engine/assets/tokenizer.json
+    ground_truth_path: str | None = None  # JSONL, one line per generated sequence
+    # Knobs that emulate what real serving does to re-rendered history.
+    noncanonical_rate: float = 0.0
+    think_strip: bool = False
+    json_reserialize: bool = False
+    # False: answer like vLLM before 0.10.2 (no return_token_ids: no id fields at all), so a
+    # client's /tokenize fallback can be tested against a real server.
+    token_id_fields: bool = True
+    generation_config: dict = field(
+        default_factory=lambda: {"temperature": 1.0, "top_p": 1.0, "max_tokens": None}
+    )
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("scripted", "random"):
+            raise ValueError(f"policy must be 'scripted' or 'random', not {self.policy!r}")
+        if not 0.0 <= self.noncanonical_rate <= 1.0:
+            raise ValueError("noncanonical_rate must be within [0, 1]")
+        unknown = set(self.generation_config) - set(GENERATION_KEYS)
+        if unknown:
+            raise ValueError(f"unknown generation config keys {sorted(unknown)}")
+
+    @property
+    def knobs_off(self) -> bool:
+        return not (self.noncanonical_rate or self.think_strip or self.json_reserialize)
+
+
+def load_generation_config(path: str | Path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        data = yaml.safe_load(handle) or {}
+    config = {"temperature": 1.0, "top_p": 1.0, "max_tokens": None}
+    config.update({k: data[k] for k in data})
+    return config

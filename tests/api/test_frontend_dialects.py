@@ -1,0 +1,250 @@
+"""Dialect translation on its own: what each request becomes, and what a reply streams as.
+
+These are the pure steps of the data path (request -> chat request; reply -> events), fed
+with the shapes real harnesses send. The end-to-end files check the same code against the
+engine; these pin the corner cases one by one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api import sse
+from api.dialects import anthropic, chat, responses
+from api.dialects.common import RequestError
+from tests.support.frontend import sse_events
+
+
+def test_anthropic_blocks_become_chat_messages_in_order() -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 10,
+        "system": "You are terse.",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look", "cache_control": {"type": "ephemeral"}},
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+                    },
+                    {"type": "text", "text": "at this"},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "sig"},
+                    {"type": "redacted_thinking", "data": "xx"},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "Bash",
+                        "input": {"command": "ls"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "a.txt"}],
+                        "is_error": False,
+                    },
+                    {"type": "text", "text": "and now?"},
+                ],
+            },
+            {"role": "system", "content": "mid-conversation note"},
+        ],
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}, "not a tool"],
+        "tool_choice": {"type": "any"},
+        "stop_sequences": ["STOP"],
+        "top_k": 40.0,
+        "unknown_field": {"anything": True},
+    }
+    request = anthropic.to_chat(body)
+    assert request["messages"] == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "look\nat this"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "hm",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "Bash", "arguments": '{"command": "ls"}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"},
+        {"role": "user", "content": "and now?"},
+        {"role": "system", "content": "mid-conversation note"},
+    ]
+    assert "tools" not in request and "tool_choice" not in request  # server tools only
+    assert request["stop"] == ["STOP"] and request["top_k"] == 40
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"messages": "hi"}, "messages must be an array"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [1]}]},
+            "messages[0].content[0] must be an object",
+        ),
+        ({"messages": [], "max_tokens": "many"}, "max_tokens must be an integer"),
+        (
+            {"messages": [], "system": [{"type": "text", "text": 5}]},
+            "system[0].text must be a string",
+        ),
+    ],
+)
+def test_anthropic_requests_it_cannot_translate_say_where(body: dict, message: str) -> None:
+    with pytest.raises(RequestError) as error:
+        anthropic.to_chat(body)
+    assert message in str(error.value)
+
+
+def test_responses_items_merge_back_into_one_assistant_turn() -> None:
+    body = {
+        "model": "m",
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "developer", "content": "house rules"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "think"}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "calling"}],
+            },
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "Bash",
+                "arguments": '{"command": "ls"}',
+            },
+            {
+                "type": "function_call",
+                "call_id": "c2",
+                "name": "Bash",
+                "arguments": '{"command": "pwd"}',
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "/"}],
+            },
+            {"type": "web_search_call", "id": "ws_1"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "done"}],
+            },
+        ],
+        "tools": [
+            {"type": "function", "name": "Bash", "parameters": {"type": "object"}},
+            {"type": "web_search"},
+        ],
+        "tool_choice": {"type": "function", "name": "Bash"},
+        "max_output_tokens": 99,
+    }
+    request = responses.to_chat(body)
+    assert [m["role"] for m in request["messages"]] == [
+        "system",
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+    ]
+    turn = request["messages"][3]
+    assert turn["content"] == "calling" and turn["reasoning_content"] == "think"
+    assert [c["id"] for c in turn["tool_calls"]] == ["c1", "c2"]
+    assert request["messages"][5]["content"] == "/"
+    assert request["messages"][6] == {"role": "assistant", "content": "done"}
+    assert [t["function"]["name"] for t in request["tools"]] == ["Bash"]
+    assert request["tool_choice"] == {"type": "function", "function": {"name": "Bash"}}
+    assert request["max_tokens"] == 99
+
+
+def test_chat_requests_keep_sampling_and_drop_capture_fields() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}],
+        "logprobs": True,
+        "top_logprobs": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.3,
+        "seed": 4,
+        "max_completion_tokens": 12,
+        "n": 1,
+        "user": "u",
+    }
+    request = chat.to_chat(body)
+    assert request == {
+        "model": "m",
+        "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}],
+        "temperature": 0.3,
+        "seed": 4,
+        "max_tokens": 12,
+    }
+    assert chat.include_usage(body)
+
+
+def test_anthropic_stream_replays_the_reply_block_by_block() -> None:
+    reply = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [
+            {"type": "thinking", "thinking": "hm", "signature": ""},
+            {"type": "text", "text": "Running."},
+            {"type": "tool_use", "id": "call_1", "name": "Bash", "input": {"command": "ls"}},
+        ],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 7, "output_tokens": 5},
+    }
+    events = sse_events(b"".join(sse.anthropic_events(reply)).decode())
+    assert [name for name, _ in events] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert all(data["type"] == name for name, data in events)
+    assert events[7][1]["content_block"] == {
+        "type": "tool_use",
+        "id": "call_1",
+        "name": "Bash",
+        "input": {},
+    }
+    assert json.loads(events[8][1]["delta"]["partial_json"]) == {"command": "ls"}
+    assert events[10][1]["delta"]["stop_reason"] == "tool_use"
+    assert events[10][1]["usage"]["output_tokens"] == 5

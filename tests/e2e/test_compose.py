@@ -1,0 +1,187 @@
+"""docker-compose.yml: the compose tool accepts it, and it says what the deployment needs.
+
+``docker compose config`` (or the older ``docker-compose config``) resolves and validates
+the file without a Docker engine. The YAML checks run everywhere; only the tool check
+skips, and says so, where no compose tool is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from api.settings import ServerSettings
+from tests.support.servers import free_port, run_process
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+FRONTEND_CONFIG = ROOT / "deploy" / "tokcap.yaml"
+SERVICES = {"redis", "engine", "frontend", "worker"}
+
+
+def compose_command() -> list[str] | None:
+    """``docker compose`` (the plugin) if it works, else ``docker-compose``, else None."""
+    docker = shutil.which("docker")
+    if docker:
+        probe = subprocess.run([docker, "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy else None
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
+    command = compose_command()
+    if command is None:
+        pytest.skip(
+            "no compose tool: neither the docker CLI's compose plugin (`docker compose`) nor "
+            "`docker-compose` is installed, so `docker compose config` cannot run here"
+        )
+    proc = subprocess.run(
+        [*command, "-f", str(COMPOSE_FILE), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load(proc.stdout)
+    assert set(resolved["services"]) == SERVICES
+    # The defaults were filled in: the tool resolved the variables, not left them raw.
+    engine_command = resolved["services"]["engine"]["command"]
+    assert "${" not in " ".join(engine_command)
+    assert "container_name" not in resolved["services"]["worker"]
+
+
+def test_every_service_has_a_healthcheck(compose: dict) -> None:
+    assert set(compose["services"]) == SERVICES
+    for name, service in compose["services"].items():
+        check = service.get("healthcheck")
+        assert check and check.get("test"), f"{name} has no healthcheck"
+        assert check["test"][0] == "CMD", f"{name}: healthcheck should run a command directly"
+
+
+def test_redis_is_durable_on_a_volume(compose: dict) -> None:
+    redis = compose["services"]["redis"]
+    assert redis["image"].startswith("redis:7")
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "always"
+    volume, _, mount = redis["volumes"][0].partition(":")
+    assert mount == "/data"
+    assert volume in compose["volumes"], "redis data must live on a named volume"
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_worker_scales(compose: dict) -> None:
+    worker = compose["services"]["worker"]
+    assert "container_name" not in worker, "a fixed name stops `--scale worker=N`"
+    assert "ports" not in worker, "a fixed host port stops `--scale worker=N`"
+    assert worker["command"][0] == "worker"
+    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_services_run_the_tokcap_commands(compose: dict) -> None:
+    services = compose["services"]
+    assert services["engine"]["command"][0] == "engine"
+    frontend = services["frontend"]
+    assert frontend["command"][:3] == ["serve", "--config", "/etc/tokcap/tokcap.yaml"]
+    assert "./deploy/tokcap.yaml:/etc/tokcap/tokcap.yaml:ro" in frontend["volumes"]
+    assert frontend["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert frontend["depends_on"]["engine"]["condition"] == "service_healthy"
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["tokcap"]' in dockerfile
+
+
+def test_frontend_config_is_valid_and_uses_redis(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKCAP_REDIS_URL", "redis://redis:6379/0")
+    monkeypatch.delenv("TOKCAP_UPSTREAM", raising=False)
+    settings = ServerSettings.from_document(str(FRONTEND_CONFIG), environ={})
+    assert settings.capture.enabled
+    assert settings.capture.sink == "transports.redis:RedisTokenSink"
+    assert settings.capture.sink_kwargs == {"url": "redis://redis:6379/0"}
+    assert settings.upstream == "http://engine:8001"
+    assert settings.sampling_overrides  # pinned server-side: the harness sends no top_p
+
+
+def test_image_install_includes_every_package() -> None:
+    """The image installs the project as a wheel (not editable): every subpackage must be in it."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = config.get("packages")
+    if isinstance(declared, dict) or declared is None:
+        found = declared.get("find", {}) if isinstance(declared, dict) else {}
+        packaged = set(find_packages(where=str(ROOT), include=found.get("include", ["*"])))
+    else:
+        packaged = set(declared)
+    on_disk = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("capture", "transports", "api")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert on_disk <= packaged, f"missing from the wheel: {sorted(on_disk - packaged)}"
+
+
+def healthcheck_code(compose: dict, service: str) -> str:
+    test = compose["services"][service]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"], test
+    return test[3]
+
+
+def test_worker_healthcheck_passes_against_a_real_worker(
+    compose: dict, redis_server_factory
+) -> None:
+    server = redis_server_factory()
+    code = healthcheck_code(compose, "worker").replace("redis://redis:6379/0", server.url)
+    check = [sys.executable, "-c", code]
+    # No worker yet: no consumer group, so the check fails.
+    assert subprocess.run(check, capture_output=True, timeout=30).returncode != 0
+    worker = [
+        sys.executable,
+        "-m",
+        "transports.cli.worker",
+        "--url",
+        server.url,
+        "--block-ms",
+        "200",
+    ]
+    with run_process(worker, env={"PYTHONPATH": str(ROOT)}):
+        deadline = time.monotonic() + 30
+        while subprocess.run(check, capture_output=True, timeout=30).returncode != 0:
+            assert time.monotonic() < deadline, "the worker healthcheck never passed"
+            time.sleep(0.2)
+
+
+def test_engine_healthcheck_passes_against_a_real_engine(compose: dict) -> None:
+    port = free_port()
+    code = healthcheck_code(compose, "engine").replace("127.0.0.1:8001", f"127.0.0.1:{port}")
+    engine = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "random",
+    ]
+    with run_process(
+        engine, ready_url=f"http://127.0.0.1:{port}/health", env={"PYTHONPATH": str(ROOT)}
+    ):
+        assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0

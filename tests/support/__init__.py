@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: servers, synthetic rollouts, fixtures, harness loops."""

@@ -1,0 +1,84 @@
+"""Synthetic calls and chains for the builder and delivery tests, made of fresh token ids."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from capture.records import TokenEntry
+
+SYSTEM = [11, 12, 13, 14]
+_fresh = itertools.count(1000)
+
+
+def message(text: str) -> dict[str, Any]:
+    """A Responses assistant message item."""
+    return {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def entry(
+    call_id: str,
+    prompt: list[int],
+    generation: list[int],
+    *,
+    text: str | None = None,
+    items: list[dict[str, Any]] | None = None,
+    created_at: float = 0.0,
+    rollout_id: str = "r1",
+    **extra: Any,
+) -> TokenEntry:
+    items = items if items is not None else [message(text if text is not None else call_id)]
+    return TokenEntry(
+        rollout_id=rollout_id,
+        model_call_id=call_id,
+        model="policy",
+        prompt_token_ids=list(prompt),
+        generation_token_ids=list(generation),
+        generation_log_probs=[-0.5 - 0.01 * i for i in range(len(generation))],
+        output_items=items,
+        token_item_index=0 if items else None,
+        created_at=created_at,
+        **extra,
+    )
+
+
+def fresh(n: int) -> list[int]:
+    """Tokens no other part of a test uses."""
+    return [next(_fresh) for _ in range(n)]
+
+
+def chain_entries(
+    turns: int,
+    *,
+    prefix: str = "c",
+    system: list[int] | None = None,
+    created_at: float = 0.0,
+    rollout_id: str = "r1",
+    generated: int = 2,
+    tool: int = 1,
+) -> list[TokenEntry]:
+    """A linear agent loop: each prompt is the previous prompt + generation + tool output."""
+    context = list(system if system is not None else SYSTEM)
+    entries = []
+    for turn in range(turns):
+        generation = fresh(generated)
+        entries.append(
+            entry(
+                f"{prefix}{turn:03d}",
+                context,
+                generation,
+                text=f"{prefix} says {turn}",
+                created_at=created_at + turn,
+                rollout_id=rollout_id,
+            )
+        )
+        context = context + generation + fresh(tool)
+    return entries
+
+
+def full(e: TokenEntry) -> list[int]:
+    return e.prompt_token_ids + e.generation_token_ids

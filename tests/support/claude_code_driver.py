@@ -1,0 +1,118 @@
+"""Runs one Claude Code rollout inside a loopback-only network namespace.
+
+Loopback in a new namespace is not the host's, so the engine and the front end are started
+here, inside it, next to the CLI; Redis is reached over its unix socket, which the
+filesystem shares across namespaces. The test starts this module with
+``unshare -n`` (see ``claude_code.netns_command``) and reads back one JSON summary:
+the CLI's stream-json events, the engine's ground truth and the servers' log tails.
+
+    python -m tests.support.claude_code_driver SPEC.json  ->  writes spec["summary"]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.claude_code import run_claude
+from tokcap.processes import Service, free_port, wait_http
+
+SERVER_START_TIMEOUT_S = 90.0
+
+
+def _ground_truth(engine_url: str) -> Any:
+    try:
+        response = httpx.get(engine_url + "/tokcap/ground_truth", timeout=30)
+        response.raise_for_status()
+        return response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": f"GET /tokcap/ground_truth failed: {exc}"}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    workdir = Path(spec["workdir"])
+    home, cwd = workdir / "home", workdir / "cwd"
+    home.mkdir(parents=True, exist_ok=True)
+    cwd.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"servers": {}}
+    servers: list[Service] = []
+    started = time.monotonic()
+    try:
+        engine_port, frontend_port = free_port(), free_port()
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        frontend_url = f"http://127.0.0.1:{frontend_port}"
+        engine = Service(
+            "engine",
+            "engine.cli",
+            ["--host", "127.0.0.1", "--port", str(engine_port), *spec["engine_args"]],
+            workdir,
+            spec.get("engine_env", {}),
+        )
+        servers.append(engine)
+        wait_http(engine_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=engine.proc)
+        frontend = Service(
+            "frontend",
+            "api.serve_cli",
+            [
+                "--config",
+                spec["frontend_config"],
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(frontend_port),
+            ],
+            workdir,
+            {"TOKCAP_UPSTREAM": engine_url, **spec.get("frontend_env", {})},
+        )
+        servers.append(frontend)
+        wait_http(frontend_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=frontend.proc)
+        summary["servers_ready_s"] = round(time.monotonic() - started, 2)
+
+        base_url = f"{frontend_url}/ng-rollout/{spec['rollout_id']}/training-token-capture"
+        claude_started = time.monotonic()
+        claude = run_claude(
+            Path(spec["cli"]),
+            spec["prompt"],
+            base_url,
+            home=home,
+            cwd=cwd,
+            env_extra=spec.get("env_extra"),
+            nonessential_traffic=spec.get("nonessential_traffic", False),
+            model=spec["model"],
+            timeout=spec.get("claude_timeout", 120.0),
+        )
+        summary["claude_s"] = round(time.monotonic() - claude_started, 2)
+        summary["claude"] = {
+            "returncode": claude.returncode,
+            "timed_out": claude.timed_out,
+            "events": claude.events,
+            "stderr": claude.stderr,
+        }
+        summary["ground_truth"] = _ground_truth(engine_url)
+    except Exception as exc:  # reported to the test, which fails with the logs attached
+        summary["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for server in reversed(servers):
+            server.stop()
+            summary["servers"][server.name] = {
+                "returncode": server.proc.returncode,
+                "log_tail": server.log_tail(),
+            }
+    summary["total_s"] = round(time.monotonic() - started, 2)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    summary = run(spec)
+    Path(spec["summary"]).write_text(json.dumps(summary, indent=1))
+    return 0 if "error" not in summary else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""Rollouts written straight into a Redis store, and the checks of their rebuilt records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capture.records import TokenEntry
+from tests.support.rollouts import growing_rollout
+from transports.redis import RedisTokenStore
+
+
+def final_message(rollout_id: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": f"done with {rollout_id}", "annotations": []}],
+    }
+
+
+def rollout_entries(
+    rollout_id: str, turns: int, *, system: int = 40, gen: int = 6, tool: int = 10
+) -> list[TokenEntry]:
+    """A tool-using rollout whose last call gave the harness's final answer."""
+    return growing_rollout(
+        rollout_id,
+        turns,
+        system_tokens=system,
+        generated_per_turn=gen,
+        tool_tokens_per_turn=tool,
+        final_item=final_message(rollout_id),
+    )
+
+
+def finished_record(rollout_id: str) -> dict[str, Any]:
+    return {
+        "_ng_rollout_id": rollout_id,
+        "response": {"output": [final_message(rollout_id)]},
+        "reward": 1.0,
+    }
+
+
+async def populate(
+    url: str, prefix: str, rollout_ids: list[str], turns: int = 3, lose_one: bool = False
+) -> None:
+    """Put every call of each rollout; ``lose_one`` adds an intent that never gets its entry."""
+    store = RedisTokenStore(url=url, key_prefix=prefix)
+    try:
+        for rollout_id in rollout_ids:
+            for entry in rollout_entries(rollout_id, turns):
+                await store.put(entry)
+            if lose_one:
+                await store.begin_call(rollout_id, "mc-lost")
+    finally:
+        await store.close()
+
+
+async def inspect(url: str, prefix: str, rollout_id: str) -> dict[str, Any]:
+    store = RedisTokenStore(url=url, key_prefix=prefix)
+    try:
+        return await store.inspect(rollout_id)
+    finally:
+        await store.close()
+
+
+def assert_rebuilt(record: dict[str, Any], turns: int) -> None:
+    """The delivered chain covers every call, and its last item carries the exact sequence."""
+    rollout_id = record["_ng_rollout_id"]
+    expected = rollout_entries(rollout_id, turns)[-1]
+    assert record["mask_sample"] is False
+    assert record["_ng_token_capture"]["n_calls"] == turns
+    carriers = [item for item in record["response"]["output"] if "generation_token_ids" in item]
+    assert len(carriers) == turns
+    last = carriers[-1]
+    assert last["prompt_token_ids"] == expected.prompt_token_ids
+    assert last["generation_token_ids"] == expected.generation_token_ids
+    assert last["generation_log_probs"] == expected.generation_log_probs

@@ -1,0 +1,259 @@
+"""Rebuild jobs end to end on a real redis-server: submit → worker → results → ack.
+
+Rollouts are written straight into the RedisTokenStore as realistic multi-turn calls (each
+prompt extends the previous prompt + generation with tool output), then a finished record is
+submitted the way a collector would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from typing import Any
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from tests.support.rebuild import (
+    assert_rebuilt,
+    finished_record,
+    inspect,
+    populate,
+    rollout_entries,
+)
+from transports.rebuild.jobs import (
+    MalformedJobError,
+    RebuildQueue,
+    decode_job,
+    encode_job,
+    stream_names,
+)
+from transports.rebuild.results import ResultsReader, compact_record, expand_record
+from transports.rebuild.worker import RebuildWorker, WorkerSettings
+
+
+async def run_worker_in_task(url: str, prefix: str, **overrides: Any):
+    worker = RebuildWorker(
+        WorkerSettings(url=url, key_prefix=prefix, claim_idle_ms=60_000, block_ms=100, **overrides)
+    )
+    return worker, asyncio.create_task(worker.run())
+
+
+async def read_until(reader: ResultsReader, count: int, timeout: float = 30.0) -> list[dict]:
+    records: list[dict] = []
+    deadline = asyncio.get_running_loop().time() + timeout
+    while len(records) < count:
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"only {len(records)} of {count} results"
+        )
+        records += await reader.read(block_ms=200)
+    return records
+
+
+def test_result_compaction_round_trips_exact_arrays() -> None:
+    entries = rollout_entries("compact-1", 5)
+    items = [
+        {
+            "type": "function_call",
+            "prompt_token_ids": e.prompt_token_ids,
+            "generation_token_ids": e.generation_token_ids,
+            "generation_log_probs": e.generation_log_probs,
+        }
+        for e in entries
+    ]
+    items.insert(2, {"type": "reasoning", "summary": []})
+    record = {"_ng_rollout_id": "compact-1", "response": {"output": items}}
+    original = json.loads(json.dumps(record))
+    compacted = compact_record(record)
+    # Every prompt after the first stores only its tail on the wire.
+    tails = [item["prompt_token_ids"] for item in compacted["response"]["output"][3:]]
+    assert all(len(tail) == 10 for tail in tails)
+    wire = msgpack.unpackb(msgpack.packb(compacted), raw=False)
+    assert expand_record(wire) == original
+    assert record == original  # compaction never touches the caller's record
+
+
+async def test_submit_validates_and_round_trips(redis_url: str, redis_prefix: str) -> None:
+    jobs, _, _ = stream_names(redis_prefix)
+    async with RebuildQueue(url=redis_url, stream=jobs) as queue:
+        with pytest.raises(MalformedJobError, match="_ng_rollout_id"):
+            await queue.submit({"response": {"output": []}})
+        with pytest.raises(ValueError, match="does not match"):
+            await queue.submit({"_ng_rollout_id": "no spaces allowed"})
+        job_id = await queue.submit(finished_record("sub-1"))
+        assert await queue.pending() == 1
+        entries = await queue.client.xrange(jobs)
+        assert entries[0][0].decode() == job_id
+        assert decode_job(entries[0][1]) == ("sub-1", finished_record("sub-1"))
+    assert decode_job(encode_job(finished_record("sub-2")))[0] == "sub-2"
+
+
+async def test_worker_rebuilds_publishes_retires_and_keeps_masked_evidence(
+    redis_url: str, redis_prefix: str
+) -> None:
+    good = [f"good-{n}" for n in range(4)]
+    await populate(redis_url, redis_prefix, good, turns=4)
+    await populate(redis_url, redis_prefix, ["lossy-0"], turns=4, lose_one=True)
+    jobs, results, _ = stream_names(redis_prefix)
+    worker, task = await run_worker_in_task(redis_url, redis_prefix, concurrency=3)
+    async with RebuildQueue(url=redis_url, stream=jobs) as queue:
+        for rollout_id in [*good, "lossy-0"]:
+            await queue.submit(finished_record(rollout_id))
+    async with ResultsReader(
+        url=redis_url, stream=results, group="trainer", consumer="t1", block_ms=200
+    ) as reader:
+        records = {r["_ng_rollout_id"]: r for r in await read_until(reader, 5)}
+        for rollout_id in good:
+            assert_rebuilt(records[rollout_id], turns=4)
+            assert (await inspect(redis_url, redis_prefix, rollout_id))["state"] == "retired"
+        lossy = records["lossy-0"]
+        assert lossy["mask_sample"] is True
+        assert lossy["_ng_token_capture"]["capture_incomplete"] is True
+        # A masked build is never retired: its calls stay as evidence.
+        info = await inspect(redis_url, redis_prefix, "lossy-0")
+        assert info["state"] == "frozen" and info["calls"] == 4
+        for record in records.values():
+            assert await reader.ack(record)
+    worker.stop()
+    await asyncio.wait_for(task, 30)
+    assert worker.counts["published"] == 5 and worker.counts["retired"] == 4
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await client.xlen(jobs) == 0  # acked jobs are deleted
+        assert (await client.xpending(jobs, "rebuild"))["pending"] == 0
+        assert (await client.xpending(results, "trainer"))["pending"] == 0
+    finally:
+        await client.aclose()
+
+
+async def test_publish_is_once_per_snapshot_even_when_a_job_runs_twice(
+    redis_url: str, redis_prefix: str
+) -> None:
+    await populate(redis_url, redis_prefix, ["twice-1"], turns=3, lose_one=True)
+    jobs, results, _ = stream_names(redis_prefix)
+    worker = RebuildWorker(WorkerSettings(url=redis_url, key_prefix=redis_prefix))
+    await worker.start()
+    fields = encode_job(finished_record("twice-1"))
+    try:
+        await worker.process("1-1", fields)  # a re-run: same rollout, same frozen snapshot
+        await worker.process("1-1", fields)
+        await worker.process("2-1", fields)  # a duplicate submission of the same rollout
+        entries = await worker.client.xrange(results)
+    finally:
+        await worker.close()
+    assert len(entries) == 1
+    assert entries[0][1][b"rollout_id"] == b"twice-1"
+    assert entries[0][1][b"masked"] == b"1"
+
+
+async def test_unacked_results_are_delivered_again(redis_url: str, redis_prefix: str) -> None:
+    rollout_ids = ["redo-0", "redo-1", "redo-2"]
+    await populate(redis_url, redis_prefix, rollout_ids, turns=2)
+    jobs, results, _ = stream_names(redis_prefix)
+    worker, task = await run_worker_in_task(redis_url, redis_prefix, concurrency=2)
+    async with RebuildQueue(url=redis_url, stream=jobs) as queue:
+        for rollout_id in rollout_ids:
+            await queue.submit(finished_record(rollout_id))
+    reader_options = dict(url=redis_url, stream=results, group="trainer", block_ms=200)
+    async with ResultsReader(consumer="t1", **reader_options) as reader:
+        first = await read_until(reader, 3)
+        await reader.ack(first[0])  # only this handoff became durable
+        assert await reader.read(block_ms=50) == []  # nothing handed out twice while alive
+    # The trainer restarts under the same name: the two unacked records come back.
+    async with ResultsReader(consumer="t1", **reader_options) as reader:
+        again = await read_until(reader, 2)
+        assert sorted(r["_ng_rollout_id"] for r in again) == sorted(
+            r["_ng_rollout_id"] for r in first[1:]
+        )
+        assert (
+            again[0]["response"]
+            == next(r for r in first if r["_ng_rollout_id"] == again[0]["_ng_rollout_id"])[
+                "response"
+            ]
+        )
+    # Another trainer takes over what t1 left unacked once it has been idle long enough.
+    async with ResultsReader(consumer="t2", claim_idle_ms=1, **reader_options) as reader:
+        await asyncio.sleep(0.01)
+        taken = await read_until(reader, 2)
+        for record in taken:
+            await reader.ack(record["_ng_result_id"])
+        assert await reader.read(block_ms=50) == []
+        # Every result was acknowledged, and acknowledged results leave the stream.
+        assert await reader.client.xlen(results) == 0
+    worker.stop()
+    await asyncio.wait_for(task, 30)
+
+
+def _cli(command: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run one subcommand's module, as ``tokcap <command>`` would."""
+    return subprocess.run(
+        [sys.executable, "-m", f"transports.cli.{command}", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tmp_path) -> None:
+    await populate(redis_url, redis_prefix, ["cli-1"], turns=3)
+    jobs, _, _ = stream_names(redis_prefix)
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(finished_record("cli-1")))
+    done = await asyncio.to_thread(
+        _cli, "submit", "--url", redis_url, "--key-prefix", redis_prefix, str(path)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "cli-1" in done.stdout
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        ((job_id, fields),) = await client.xrange(jobs)
+        assert done.stdout.split()[0] == job_id.decode()
+        assert decode_job(fields) == ("cli-1", finished_record("cli-1"))
+    finally:
+        await client.aclose()
+    bad = await asyncio.to_thread(
+        _cli, "submit", "--url", redis_url, "--stream", jobs, "-", stdin=json.dumps({"reward": 1.0})
+    )
+    assert bad.returncode == 2 and "_ng_rollout_id" in bad.stderr
+    shown = await asyncio.to_thread(
+        _cli, "inspect", "cli-1", "--url", redis_url, "--key-prefix", redis_prefix
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "open" in shown.stdout and "generated_tokens" in shown.stdout
+    as_json = await asyncio.to_thread(
+        _cli, "inspect", "cli-1", "--url", redis_url, "--key-prefix", redis_prefix, "--json"
+    )
+    info = json.loads(as_json.stdout)
+    assert info["calls"] == 3 and info["state"] == "open" and info["tombstone"] is False
+    helped = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "tokcap.cli", "worker", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert helped.returncode == 0 and "--concurrency" in helped.stdout
+
+
+async def test_inspect_command_reads_a_file_store(tmp_path) -> None:
+    from capture.filestore.store import TokenCaptureStore
+
+    store = TokenCaptureStore(tmp_path / "captures")
+    try:
+        for entry in rollout_entries("file-1", 2):
+            await store.put(entry)
+        await store.freeze("file-1")
+    finally:
+        await store.close()
+    shown = await asyncio.to_thread(
+        _cli, "inspect", "file-1", "--dir", str(tmp_path / "captures"), "--json"
+    )
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert info["state"] == "frozen" and info["calls"] == 2 and info["generated_tokens"] == 12
+    missing = await asyncio.to_thread(_cli, "inspect", "file-1", "--dir", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "not a directory" in missing.stderr

@@ -1,0 +1,294 @@
+"""What only the Redis store promises: its layout, construction, and what crosses the wire.
+
+The shared contract runs against Redis from tests/capture/test_store_contract.py; these tests cover
+the rest: one hash per rollout in one Cluster slot, blocks sent once, construction from
+kwargs or a client or the config loader, foreign entry objects, the tombstone TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from capture.config import load_capture_config
+from capture.errors import ConfigError
+from capture.protocols import IntentSink, TokenSink, TokenSource
+from tests.support.fixtures_stores import make_token_entry
+from transports.redis import RedisTokenSink, RedisTokenSource, RedisTokenStore
+from transports.redis.keys import rollout_key
+
+
+@pytest.fixture
+async def store(redis_url, redis_prefix):
+    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
+    yield made
+    await made.close()
+
+
+@pytest.fixture
+def raw(redis_url):
+    with redis.Redis.from_url(redis_url) as client:
+        yield client
+
+
+def crc16_xmodem(data: bytes) -> int:
+    """CRC16-CCITT (XMODEM), as the Redis Cluster spec defines the key hash."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def cluster_slot(key: bytes) -> int:
+    """The Cluster slot of a key: only the text inside the first non-empty {...} counts."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return crc16_xmodem(key) % 16384
+
+
+def test_crc16_matches_the_cluster_spec_example():
+    assert crc16_xmodem(b"123456789") == 0x31C3  # the spec's reference value
+
+
+async def test_all_keys_of_a_rollout_share_one_cluster_slot(store, raw, redis_prefix):
+    rollout_id = "slot-check.7"
+    for turn, entry in enumerate(_rollout(rollout_id, turns=3)):
+        await store.put(entry)
+        await store.begin_call(rollout_id, f"extra-{turn}")
+    await store.mark_incomplete(rollout_id, "extra-0")
+    keys = list(raw.scan_iter(match=f"{redis_prefix}:*"))
+    assert keys == [rollout_key(redis_prefix, rollout_id).encode()]  # one hash, nothing else
+    tag_slot = crc16_xmodem(rollout_id.encode()) % 16384
+    assert {cluster_slot(key) for key in keys} == {tag_slot}
+    from redis.cluster import key_slot
+
+    assert {key_slot(key) for key in keys} == {tag_slot}
+
+
+async def test_one_hash_with_state_entry_and_block_fields(store, raw, redis_prefix):
+    entries = _rollout("layout", turns=4)
+    for entry in entries:
+        await store.put(entry)
+    await store.begin_call("layout", "pending")
+    fields = raw.hgetall(rollout_key(redis_prefix, "layout"))
+    names = {name.decode() for name in fields}
+    assert {"version", "e:turn-00000", "d:turn-00000", "e:turn-00003", "i:pending"} <= names
+    blocks = [value for name, value in fields.items() if name.startswith(b"b:")]
+    # Each id of the final sequence is stored once: later calls extend earlier blocks, and
+    # a generation lives in the blocks the next prompt shares. 33 bytes of header per block.
+    final = entries[-1]
+    ids = len(final.prompt_token_ids) + len(final.generation_token_ids)
+    assert sum(len(value) for value in blocks) <= 4 * ids + 33 * len(blocks)
+    assert len(blocks) <= ids // 250 + len(entries)
+
+
+async def test_only_missing_blocks_cross_the_wire(redis_server_factory, redis_prefix):
+    server = redis_server_factory()
+    store = RedisTokenStore(url=server.url, key_prefix=redis_prefix)
+    long_prompt = list(range(20_000))  # 80 kB of packed ids
+    first = make_token_entry("wire", "c-1", prompt=long_prompt, generation=[1])
+    second = make_token_entry("wire", "c-2", prompt=long_prompt + [5] * 300, generation=[2])
+    with redis.Redis.from_url(server.url) as raw:
+        await store.check()
+        before = raw.info("stats")["total_net_input_bytes"]
+        await store.put(first)
+        middle = raw.info("stats")["total_net_input_bytes"]
+        await store.put(second)
+        after = raw.info("stats")["total_net_input_bytes"]
+    await store.close()
+    assert middle - before > 80_000  # the first put sends the whole prompt
+    assert after - middle < 12_000  # the second sends its new tail block, and names
+
+
+async def test_foreign_entry_objects_are_accepted(store):
+    class GymEntry:  # NeMo Gym's TokenEntry, by shape only: plain attributes
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    want = make_token_entry(
+        "foreign", "c-1", prompt=[3, 1, 4], generation=[1, 5], log_probs=[-0.5, -0.25]
+    )
+    await store.put(GymEntry(**want.model_dump()))
+
+    class Dumps:  # a pydantic-like object read through model_dump()
+        def model_dump(self):
+            return make_token_entry("foreign", "c-2", prompt=[9], generation=[]).model_dump()
+
+    await store.put(Dumps())
+    snapshot = await store.freeze("foreign")
+    assert [e.model_call_id for e in snapshot.entries] == ["c-1", "c-2"]
+    got = snapshot.entries[0]
+    assert got.model_dump() == want.model_dump()
+    for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        assert type(getattr(got, name)) is list  # plain lists for Gym-style consumers
+    assert got.prompt_token_ids + got.generation_token_ids == [3, 1, 4, 1, 5]
+
+
+def test_aliases_and_protocols(redis_url):
+    assert RedisTokenSink is RedisTokenStore and RedisTokenSource is RedisTokenStore
+    made = RedisTokenSink(url=redis_url)  # built outside any event loop
+    assert isinstance(made, TokenSink)
+    assert isinstance(made, TokenSource)
+    assert isinstance(made, IntentSink)
+    asyncio.run(made.close())
+
+
+def test_unknown_and_missing_kwargs_are_constructor_errors(redis_url):
+    with pytest.raises(TypeError, match="urll"):
+        RedisTokenStore(urll=redis_url)
+    with pytest.raises(TypeError):
+        RedisTokenStore(redis_url)  # keyword arguments only
+    with pytest.raises(ConfigError, match="exactly one of url= or client="):
+        RedisTokenStore()
+    with pytest.raises(ConfigError, match="durability"):
+        RedisTokenStore(url=redis_url, durability="sometimes")
+    with pytest.raises(ConfigError, match="'http'") as info:
+        RedisTokenStore(url="http://user:secret@host")
+    assert "secret" not in str(info.value)
+
+
+async def test_an_existing_client_is_used_and_left_open(redis_url, redis_prefix):
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    made = RedisTokenStore(client=client, key_prefix=redis_prefix)
+    await made.put(make_token_entry("by-client", "c-1", prompt=list(range(300))))
+    snapshot = await made.freeze("by-client")
+    assert snapshot.entries[0].prompt_token_ids == list(range(300))
+    await made.close()
+    assert await client.ping() is True  # not ours to close
+    await client.aclose()
+
+
+async def test_password_in_url(redis_server_factory, redis_prefix):
+    server = redis_server_factory(requirepass="s3cret-pw")
+    url = server.url.replace("redis://", "redis://:s3cret-pw@")
+    made = RedisTokenStore(url=url, key_prefix=redis_prefix, max_retries=0)
+    await made.put(make_token_entry("authed", "c-1"))
+    assert len((await made.freeze("authed")).entries) == 1
+    await made.close()
+    wrong = RedisTokenStore(
+        url=server.url.replace("redis://", "redis://:nope@"), key_prefix=redis_prefix, max_retries=0
+    )
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        await wrong.put(make_token_entry("authed", "c-2"))
+    await wrong.close()
+
+
+def test_rediss_url_is_accepted_for_tls():
+    made = RedisTokenStore(url="rediss://:pw@redis.example.invalid:6380/0")
+    assert made._chosen.mode == "fsync"  # nothing connects until first use
+
+
+async def test_tombstone_expires_after_its_ttl(redis_url, redis_prefix, raw):
+    made = RedisTokenStore(
+        url=redis_url, key_prefix=redis_prefix, tombstone_ttl_s=30, evidence_ttl_s=3600
+    )
+    await made.put(make_token_entry("ttl", "c-1"))
+    key = rollout_key(redis_prefix, "ttl")
+    assert raw.pttl(key) == -1  # an open rollout never expires
+    snapshot = await made.freeze("ttl")
+    assert 30_000 < raw.pttl(key) <= 3_600_000  # frozen, not yet retired: kept as evidence
+    assert await made.drop("ttl", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+    assert 0 < raw.pttl(key) <= 30_000
+    assert {name.decode() for name in raw.hkeys(key)} == {
+        "version",
+        "frozen",
+        "snapshot_id",
+        "incomplete",
+        "retired",
+        "retired_at",
+    }
+    await made.close()
+
+
+async def test_frozen_rollouts_can_be_kept_until_deleted(redis_url, redis_prefix, raw):
+    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, evidence_ttl_s=None)
+    await made.put(make_token_entry("kept", "c-1"))
+    await made.freeze("kept")
+    assert raw.pttl(rollout_key(redis_prefix, "kept")) == -1
+    await made.delete("kept")
+    assert not raw.exists(rollout_key(redis_prefix, "kept"))
+    await made.close()
+
+
+async def test_config_loader_builds_the_redis_sink(tmp_path, redis_url, redis_prefix, monkeypatch):
+    monkeypatch.setenv("TOKCAP_REDIS_URL", redis_url)
+    path = tmp_path / "gym.yaml"
+    path.write_text(
+        textwrap.dedent(f"""\
+        env:
+          nemo_gym:
+            token_id_capture:
+              enabled: true
+              sink: transports.redis:RedisTokenSink
+              sink_kwargs: {{url: "${{oc.env:TOKCAP_REDIS_URL}}", key_prefix: {redis_prefix}}}
+              rebuild_response: false
+        """)
+    )
+    sink = load_capture_config(str(path)).build_sink()
+    assert isinstance(sink, RedisTokenStore)
+    await sink.put(make_token_entry("configured", "c-1"))
+    source = RedisTokenSource(url=redis_url, key_prefix=redis_prefix)
+    assert len((await source.freeze("configured")).entries) == 1
+    await sink.close()
+    await source.close()
+
+
+def test_config_loader_rejects_unknown_sink_kwargs(redis_url):
+    config = load_capture_config(
+        {
+            "token_id_capture": {
+                "enabled": True,
+                "sink": "transports.redis:RedisTokenSink",
+                "sink_kwargs": {"url": redis_url, "prefix": "typo"},
+            }
+        }
+    )
+    with pytest.raises(ConfigError, match="prefix"):
+        config.build_sink()
+
+
+def _rollout(rollout_id: str, turns: int) -> list:
+    from tests.support.rollouts import growing_rollout
+
+    return growing_rollout(
+        rollout_id, turns, system_tokens=600, generated_per_turn=50, tool_tokens_per_turn=80
+    )
+
+
+async def test_branching_prompts_round_trip_exactly(redis_url, redis_prefix):
+    """Retries, forks and prefixes of each other, from two writers with their own caches."""
+    import random
+
+    rng = random.Random(7)
+    writers = [RedisTokenStore(url=redis_url, key_prefix=redis_prefix) for _ in range(2)]
+    sequences = [[rng.randrange(151_000) for _ in range(rng.randrange(1, 700))]]
+    entries = []
+    for number in range(60):
+        base = rng.choice(sequences)
+        cut = rng.randrange(len(base) + 1)  # a fork anywhere, a prefix, or a full extension
+        prompt = base[:cut] + [rng.randrange(151_000) for _ in range(rng.choice([0, 1, 7, 260]))]
+        generation = [rng.randrange(151_000) for _ in range(rng.randrange(0, 40))]
+        entry = make_token_entry(
+            "branchy",
+            f"c-{number:03d}",
+            prompt=prompt,
+            generation=generation,
+            log_probs=[-rng.random() for _ in generation],
+        )
+        await writers[number % 2].put(entry)
+        entries.append(entry)
+        sequences.append(prompt + generation)
+    snapshot = await writers[0].freeze("branchy")
+    assert [e.model_dump() for e in snapshot.entries] == [e.model_dump() for e in entries]
+    for writer in writers:
+        await writer.close()

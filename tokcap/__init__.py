@@ -1,0 +1,1 @@
+"""The `tokcap` command and the local pipeline it can start (demo, child processes)."""

@@ -1,0 +1,1 @@
+"""The `tokcap worker`, `submit` and `inspect` commands."""

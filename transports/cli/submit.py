@@ -1,0 +1,90 @@
+"""``tokcap submit``: queue finished rollout records for rebuilding.
+
+The file holds one JSON record, a JSON list of records, or JSON Lines; ``-`` reads stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from capture.rollout_ids import rollout_id_from_run_body
+from transports.rebuild.jobs import DEFAULT_JOBS_STREAM, RebuildQueue, stream_names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE.json|-", help="record(s) to submit; - for stdin")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis URL (default $TOKCAP_REDIS_URL or %(default)s)",
+    )
+    parser.add_argument(
+        "--key-prefix",
+        default="tokcap",
+        help="the workers' --key-prefix; the jobs stream is <prefix>:rebuild (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stream",
+        default=None,
+        help=f"jobs stream, if not named by the prefix (default {DEFAULT_JOBS_STREAM})",
+    )
+
+
+def read_records(text: str) -> list[dict[str, Any]]:
+    """One object, a list of objects, or one object per line."""
+    text = text.strip()
+    if not text:
+        return []
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError:
+        loaded = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return loaded if isinstance(loaded, list) else [loaded]
+
+
+async def _submit(url: str, stream: str, records: list[dict[str, Any]]) -> list[str]:
+    async with RebuildQueue(url=url, stream=stream) as queue:
+        return [await queue.submit(record) for record in records]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.file == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.file, encoding="utf-8") as handle:
+                text = handle.read()
+        records = read_records(text)
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"tokcap submit: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    if not records:
+        print(f"tokcap submit: {args.file} holds no records", file=sys.stderr)
+        return 2
+    stream = args.stream or stream_names(args.key_prefix)[0]
+    try:
+        job_ids = asyncio.run(_submit(args.url, stream, records))
+    except ValueError as exc:
+        print(f"tokcap submit: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"tokcap submit: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    for record, job_id in zip(records, job_ids, strict=True):
+        print(f"{job_id}\t{rollout_id_from_run_body(record)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokcap submit", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Rebuild jobs, the worker pool that runs them, and the results stream."""

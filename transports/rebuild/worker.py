@@ -1,0 +1,512 @@
+"""The rebuild worker: jobs in, rebuilt records out, snapshots retired only after that.
+
+Per job: ``finalize_rollout_token_capture`` through the Redis source → publish the rebuilt
+record to the results stream, at most once per (rollout, snapshot id, version) → wait until
+that write is durable → retire the snapshot (only for a good build whose published result is
+that good build; masked or failed builds keep their evidence) → ``XACK``. Every step can be
+repeated after a crash: freeze is idempotent, the publish guard answers with the first result
+id and whether it was unmasked, and drop of an already dropped snapshot is True. So a job of a
+killed worker is simply run again by whoever claims it (``XAUTOCLAIM`` after ``claim_idle_ms``).
+
+The worker never destroys evidence. A record that cannot be rebuilt goes to the dead-letter
+stream before anything is frozen or published, so a later valid job of the same rollout still
+gets the real result. A build that could not reach the store is retried, never published. When
+a late loss mark changes the snapshot between publish and retire, the rollout is rebuilt from
+the job's record again and the new result names the one it supersedes (``supersedes`` on the
+stream, ``_ng_supersedes`` on the decoded record); the publish script sets that link itself
+from the rollout's latest result, so a re-run after a crash links it too.
+
+A job that fails ``max_attempts`` times, or that can never succeed (a malformed record),
+goes to the dead-letter stream with its error and is acked. One process runs
+``concurrency`` jobs at once as asyncio tasks; start more processes to scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from capture.delivery import (
+    RolloutBuild,
+    finalize_rollout_token_capture,
+    retire_rollout_token_capture,
+)
+from transports.rebuild.jobs import MalformedJobError, decode_job, stream_names
+from transports.rebuild.results import SUPERSEDES_FIELD, encode_result, ensure_group
+from transports.redis import RedisTokenStore
+from transports.redis.durability import Durability
+from transports.redis.keys import as_text
+
+log = logging.getLogger("tokcap.worker")
+
+# Publish a result unless this (rollout, snapshot, version) was published before; the guard
+# keeps "<result id> <1 if unmasked else 0>", so a repeat knows what the trainer received. On a
+# repeat the guard's TTL is refreshed: that write makes WAIT/WAITAOF on this connection also
+# cover the first publish, which a killed worker may never have seen made durable.
+# KEYS: guard, results stream, the rollout's latest result ("<id> <snapshot id> <version>").
+# ARGV: ttl ms, ok flag, snapshot id ('' for none), version, name of the supersedes field,
+# then the result's stream fields. A newer version of the same snapshot already published
+# makes this one stale: nothing is written (reply 2), since a trainer must never receive an
+# older build after a newer one. An older version is superseded by this one.
+PUBLISH_ONCE = """
+local existing = redis.call('GET', KEYS[1])
+if existing then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  return {0, existing, ''}
+end
+local snapshot, version = ARGV[3], tonumber(ARGV[4])
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+local supersedes = ''
+if snapshot ~= '' then
+  local latest = redis.call('GET', KEYS[3])
+  if latest then
+    local id, seen, seen_version = string.match(latest, '^(%S+) (%S+) (%d+)$')
+    if seen == snapshot and tonumber(seen_version) > version then
+      return {2, id, ''}
+    end
+    if seen == snapshot and tonumber(seen_version) < version then
+      supersedes = id
+      fields[#fields + 1] = ARGV[5]
+      fields[#fields + 1] = id
+    end
+  end
+end
+local id = redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('SET', KEYS[1], id .. ' ' .. ARGV[2], 'PX', ARGV[1])
+if snapshot ~= '' then
+  redis.call('SET', KEYS[3], id .. ' ' .. snapshot .. ' ' .. ARGV[4], 'PX', ARGV[1])
+end
+return {1, id .. ' ' .. ARGV[2], supersedes}
+"""
+
+# A late loss mark can change a snapshot between publish and retire; each round rebuilds it
+# and supersedes the published result. Redis marks only ever mask, so two rounds settle it.
+REBUILD_ROUNDS = 3
+
+
+class TransientJobError(Exception):
+    """A step failed in a way a later attempt may not; the job stays pending."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the trainer receives for one snapshot version, as the publish guard says."""
+
+    result_id: str
+    fresh: bool  # written by this call, not found from an earlier run
+    ok: bool  # that result is an unmasked build (a guard of an older worker: unknown, False)
+    supersedes: str = ""  # the result id this one replaces, when it is fresh
+    stale: bool = False  # a newer version of the snapshot was published: nothing was written
+
+
+@dataclass
+class WorkerSettings:
+    """Everything a worker process needs; the CLI fills it from flags."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "tokcap"
+    group: str = "rebuild"
+    consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    concurrency: int = 4
+    claim_idle_ms: int = 60_000
+    max_attempts: int = 5
+    block_ms: int = 1000
+    durability: str = "fsync"
+    wait_timeout_ms: int = 5000
+    guard_ttl_s: int = 7 * 24 * 3600
+    jobs_stream: str | None = None  # default <key_prefix>:rebuild
+    results_stream: str | None = None  # default <key_prefix>:results
+    dead_stream: str | None = None  # default <key_prefix>:rebuild:dead
+    debug_delay_after_publish_ms: int = 0  # tests only: widen the publish → retire window
+
+    def __post_init__(self) -> None:
+        jobs, results, dead = stream_names(self.key_prefix)
+        self.jobs_stream = self.jobs_stream or jobs
+        self.results_stream = self.results_stream or results
+        self.dead_stream = self.dead_stream or dead
+        if self.concurrency < 1 or self.max_attempts < 1 or self.claim_idle_ms < 1:
+            raise ValueError("concurrency, max_attempts and claim_idle_ms must be >= 1")
+
+
+class RebuildWorker:
+    """One process's pool of rebuild tasks on the jobs stream."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.client = aioredis.Redis.from_url(settings.url)
+        self.source = RedisTokenStore(
+            url=settings.url,
+            key_prefix=settings.key_prefix,
+            durability=settings.durability,
+            wait_timeout_ms=settings.wait_timeout_ms,
+        )
+        # Proven once, by the store, at start; the worker's publish waits the same way.
+        self.durability = Durability.parse(settings.durability)
+        self.errors_key = f"{settings.jobs_stream}:errors"  # job id -> last error
+        self.counts = dict.fromkeys(
+            (
+                "done",
+                "published",
+                "retired",
+                "retire_refused",
+                "superseded",
+                "masked",
+                "skipped",
+                "dead",
+                "failed",
+            ),
+            0,
+        )
+        self._stop = asyncio.Event()
+        self._in_flight: dict[asyncio.Task[None], str] = {}
+        self._claim_cursor = "0-0"
+
+    def stop(self) -> None:
+        """Take no new jobs; ``run`` returns once the jobs in flight are finished."""
+        if not self._stop.is_set():
+            log.info("stopping: finishing %d job(s) in flight", len(self._in_flight))
+        self._stop.set()
+
+    async def start(self) -> None:
+        """Check the server's durability and create the consumer group (idempotent)."""
+        self.durability = await self.source.check()
+        s = self.settings
+        await ensure_group(self.client, s.jobs_stream, s.group)
+        # Visible in XINFO CONSUMERS from the start, not only after its first job.
+        await self.client.xgroup_createconsumer(s.jobs_stream, s.group, s.consumer)
+
+    async def run(self) -> None:
+        """Process jobs until ``stop``; in-flight jobs always finish, even on an error."""
+        heartbeat = None
+        try:
+            await self.start()
+            heartbeat = asyncio.create_task(self._heartbeat())
+            await self._dispatch()
+        finally:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+            if heartbeat is not None:
+                heartbeat.cancel()
+                await asyncio.gather(heartbeat, return_exceptions=True)
+            await self.close()
+
+    async def _dispatch(self) -> None:
+        """Keep up to ``concurrency`` jobs in flight: stale ones first, then new ones."""
+        claim_every = min(max(self.settings.claim_idle_ms / 2000, 0.05), 5.0)
+        next_claim = 0.0
+        while not self._stop.is_set():
+            free = self.settings.concurrency - len(self._in_flight)
+            if free <= 0:
+                await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                jobs: list[tuple[str, Any, int]] = []
+                if time.monotonic() >= next_claim:
+                    jobs = await self._claim_stale(free)
+                    next_claim = time.monotonic() + claim_every
+                if not jobs:
+                    jobs = await self._read_new(free)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("cannot read jobs (%s); retrying in 1 s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("the jobs stream or group was deleted; creating it again")
+                await self.start()
+                continue
+            for job_id, fields, deliveries in jobs:
+                task = asyncio.create_task(self._run_job(job_id, fields, deliveries))
+                self._in_flight[task] = job_id
+                task.add_done_callback(self._in_flight.pop)
+
+    async def close(self) -> None:
+        await self.source.close()
+        await self.client.aclose()
+
+    async def _read_new(self, count: int) -> list[tuple[str, Any, int]]:
+        s = self.settings
+        reply = await self.client.xreadgroup(
+            s.group, s.consumer, {s.jobs_stream: ">"}, count=count, block=s.block_ms
+        )
+        entries = reply[0][1] if reply else []
+        return [(as_text(job_id), fields, 1) for job_id, fields in entries]
+
+    async def _claim_stale(self, count: int) -> list[tuple[str, Any, int]]:
+        """Take over jobs another consumer left pending for ``claim_idle_ms``."""
+        s = self.settings
+        reply = await self.client.xautoclaim(
+            s.jobs_stream,
+            s.group,
+            s.consumer,
+            s.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        self._claim_cursor = as_text(reply[0])  # the next round goes on where this one ended
+        # A job still in flight here was only idle because a long build held the event loop;
+        # running it twice would be safe (publish once, drop idempotent) but wasteful.
+        mine = set(self._in_flight.values())
+        claimed = [
+            (as_text(job_id), fields) for job_id, fields in reply[1] if as_text(job_id) not in mine
+        ]
+        if not claimed:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for job_id, _ in claimed:
+                pipe.xpending_range(s.jobs_stream, s.group, min=job_id, max=job_id, count=1)
+            pending = await pipe.execute()
+        jobs = []
+        for (job_id, fields), info in zip(claimed, pending, strict=True):
+            if not info:
+                continue  # acked meanwhile by the worker it was taken from: it finished after all
+            deliveries = int(info[0]["times_delivered"])
+            log.info("claimed stale job %s (delivery %d)", job_id, deliveries)
+            jobs.append((job_id, fields, deliveries))
+        return jobs
+
+    async def _heartbeat(self) -> None:
+        """Reset the idle time of jobs in flight so a slow job is not taken over while alive."""
+        s = self.settings
+        while True:
+            await asyncio.sleep(max(s.claim_idle_ms / 3000, 0.02))
+            ids = list(self._in_flight.values())
+            if not ids:
+                continue
+            try:
+                await self.client.xclaim(s.jobs_stream, s.group, s.consumer, 0, ids, justid=True)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _run_job(self, job_id: str, fields: Any, deliveries: int) -> None:
+        s = self.settings
+        try:
+            if fields is None:
+                return  # deleted from the stream while pending; XAUTOCLAIM already dropped it
+            if deliveries > s.max_attempts:
+                last = await self.client.hget(self.errors_key, job_id)
+                error = (
+                    as_text(last) if last else "no error recorded: the worker holding it stopped"
+                )
+                await self._dead_letter(
+                    job_id,
+                    fields,
+                    f"gave up after {deliveries - 1} attempts; last error: {error}",
+                    deliveries,
+                )
+                return
+            await self.process(job_id, fields)
+        except MalformedJobError as exc:
+            await self._dead_letter(job_id, fields, str(exc), deliveries)
+        except Exception as exc:  # any other failure: keep the job pending, or give up
+            self.counts["failed"] += 1
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "job %s failed (attempt %d of %d): %s", job_id, deliveries, s.max_attempts, error
+            )
+            try:
+                if deliveries >= s.max_attempts:
+                    await self._dead_letter(job_id, fields, error, deliveries)
+                else:
+                    await self.client.hset(self.errors_key, job_id, error)
+            except Exception as inner:
+                log.error("could not record the failure of job %s: %s", job_id, inner)
+
+    async def process(self, job_id: str, fields: Mapping[Any, Any]) -> None:
+        """Rebuild one job's rollout, publish it once, retire it, ack the job.
+
+        When the snapshot changed after its result was published (retire refused), the
+        rollout is rebuilt and the new result supersedes the published one, a few rounds at
+        most; a rollout still changing after that is retried as a failed job.
+        """
+        for _ in range(REBUILD_ROUNDS):
+            rollout_id, record = decode_job(fields)  # finalize mutates it: a fresh copy each round
+            built = await self._build(rollout_id, record)
+            published = await self._publish(job_id, rollout_id, record, built)
+            if await self._settle(job_id, rollout_id, built, published):
+                break
+        else:
+            raise TransientJobError(
+                f"rollout {rollout_id} changed after each of {REBUILD_ROUNDS} rebuilds"
+            )
+        await self._finish(job_id)
+        self.counts["done"] += 1
+
+    async def _build(self, rollout_id: str, record: dict[str, Any]) -> RolloutBuild:
+        """Finalize the record; a record or source error raises instead of being published.
+
+        A record error froze nothing, so dead-lettering it leaves the rollout to a later
+        valid job; a source error says nothing about the capture, so it is retried.
+        """
+        built = await finalize_rollout_token_capture(record, self.source, rollout_id=rollout_id)
+        if built.error_kind == "record":
+            raise MalformedJobError(f"job record cannot be rebuilt: {built.error}")
+        if built.error_kind == "source":
+            raise TransientJobError(f"the store was unreachable during the build: {built.error}")
+        return built
+
+    async def _settle(
+        self, job_id: str, rollout_id: str, built: RolloutBuild, published: Published
+    ) -> bool:
+        """Retire what may be retired; False when the rollout must be rebuilt again."""
+        s = self.settings
+        self.counts["published"] += int(published.fresh)
+        self.counts["superseded"] += int(published.fresh and bool(published.supersedes))
+        if s.debug_delay_after_publish_ms:
+            await asyncio.sleep(s.debug_delay_after_publish_ms / 1000)
+        if published.stale:
+            log.warning(
+                "rollout %s: a newer version than v%s was already published (%s); rebuilding",
+                rollout_id,
+                built.version,
+                published.result_id,
+            )
+            return False
+        # Retire only when what the trainer receives is this unmasked build of this snapshot:
+        # a masked result published first under the same guard still needs the evidence.
+        retired = False
+        if built.ok and published.ok:
+            retired = await retire_rollout_token_capture(rollout_id, self.source, built)
+            if not retired:
+                self.counts["retire_refused"] += 1
+                log.warning(
+                    "rollout %s changed after snapshot %s v%s was published as %s; rebuilding",
+                    rollout_id,
+                    built.snapshot_id,
+                    built.version,
+                    published.result_id,
+                )
+                return False
+            self.counts["retired"] += 1
+        elif built.skipped:
+            self.counts["skipped"] += 1  # the record already carried token ids
+        else:
+            self.counts["masked"] += 1
+        self._log_job(job_id, rollout_id, built, published, retired)
+        return True
+
+    def _log_job(
+        self,
+        job_id: str,
+        rollout_id: str,
+        built: RolloutBuild,
+        published: Published,
+        retired: bool,
+    ) -> None:
+        log.info(
+            "job %s: rollout %s snapshot %s v%s %s, result %s%s%s, %s",
+            job_id,
+            rollout_id,
+            built.snapshot_id or "-",
+            built.version,
+            "skipped" if built.skipped else "masked" if built.masked or not built.ok else "ok",
+            published.result_id,
+            "" if published.fresh else " (already published)",
+            f" superseding {published.supersedes}" if published.supersedes else "",
+            "retired" if retired else "kept",
+        )
+
+    async def _publish(
+        self, job_id: str, rollout_id: str, record: dict[str, Any], built: RolloutBuild
+    ) -> Published:
+        """XADD the result unless this snapshot version was published before."""
+        s = self.settings
+        # A build without a snapshot (it failed before freeze) is named by its job instead.
+        name = f"{built.snapshot_id}:{built.version}" if built.snapshot_id else f"job:{job_id}"
+        guard = f"{s.results_stream}:published:{rollout_id}:{name}"
+        latest = f"{s.results_stream}:latest:{rollout_id}"
+        fields = encode_result(
+            record,
+            rollout_id=rollout_id,
+            snapshot_id=built.snapshot_id or "",
+            version=built.version,
+            ok=bool(built.ok),
+            masked=bool(built.masked),
+            job_id=job_id,
+            worker=s.consumer,
+        )
+        ok_flag = "1" if built.ok and not built.masked else "0"
+        args: list[Any] = [
+            s.guard_ttl_s * 1000,
+            ok_flag,
+            built.snapshot_id or "",
+            built.version,
+            SUPERSEDES_FIELD,
+        ]
+        for key, value in fields.items():
+            args += [key, value]
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.eval(PUBLISH_ONCE, 3, guard, s.results_stream, latest, *args)
+            for command in self.durability.wait:
+                pipe.execute_command(*command)
+            replies = await pipe.execute()
+        self.durability.verify(replies[1:])
+        return _published(replies[0])
+
+    async def _finish(self, job_id: str) -> None:
+        """Ack and delete the job, and forget its errors, in one transaction."""
+        s = self.settings
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(s.jobs_stream, s.group, job_id)
+            pipe.xdel(s.jobs_stream, job_id)
+            pipe.hdel(self.errors_key, job_id)
+            await pipe.execute()
+
+    async def _dead_letter(self, job_id: str, fields: Any, error: str, deliveries: int) -> None:
+        s = self.settings
+        self.counts["dead"] += 1
+        log.error("job %s goes to %s: %s", job_id, s.dead_stream, error)
+        dead = {as_text(key): value for key, value in (fields or {}).items()}
+        dead.update(
+            job_id=job_id,
+            error=error,
+            attempts=str(deliveries),
+            consumer=s.consumer,
+            failed_at=str(time.time()),
+        )
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xadd(s.dead_stream, dead)
+            pipe.xack(s.jobs_stream, s.group, job_id)
+            pipe.xdel(s.jobs_stream, job_id)
+            pipe.hdel(self.errors_key, job_id)
+            await pipe.execute()
+
+
+def _published(reply: list[Any]) -> Published:
+    """Read the publish script's reply: (0 found | 1 written | 2 stale, guard, supersedes)."""
+    status, guarded, supersedes = int(reply[0]), as_text(reply[1]), as_text(reply[2])
+    result_id, _, ok_flag = guarded.partition(" ")
+    return Published(
+        result_id=result_id,
+        fresh=status == 1,
+        ok=status != 2 and ok_flag == "1",
+        supersedes=supersedes if status == 1 else "",
+        stale=status == 2,
+    )
+
+
+async def run_worker(settings: WorkerSettings) -> dict[str, int]:
+    """Run one worker until SIGTERM or SIGINT; returns its counters."""
+    worker = RebuildWorker(settings)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, worker.stop)
+    try:
+        await worker.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    return worker.counts

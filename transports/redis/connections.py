@@ -1,0 +1,97 @@
+"""A Redis client whose every connection proves durability before it carries a write.
+
+Proving the guarantee once at start-up trusts whatever server answers later: a redis-server
+restarted from another config, or a failover to a replica without AOF, comes back on fresh
+connections that redis-py opens by itself. So each new connection runs the durability check
+on itself, right after its handshake and before the pool hands it out; a failed proof closes
+it and raises, and the write fails instead of being acknowledged without the guarantee.
+
+The pool blocks for a free connection (up to ``pool_timeout_s``) when all
+``max_connections`` are in use, instead of failing at once as redis-py's default pool does
+(``MaxConnectionsError``): hundreds of concurrent calls on one front end wait their turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from transports.redis.durability import Durability, check_durability
+
+log = logging.getLogger("tokcap.redis")
+
+
+def connection_name(connection: AbstractConnection) -> str:
+    """Where a connection goes, for messages: host and port or socket, never credentials."""
+    path = getattr(connection, "path", None)
+    if path:
+        return f"redis at {path}"
+    return f"redis at {getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
+
+
+class ProvingConnections:
+    """The client and its pool; ``durability`` is what the latest connection proved."""
+
+    def __init__(
+        self,
+        url: str,
+        chosen: Durability,
+        *,
+        max_connections: int,
+        pool_timeout_s: float,
+        socket_timeout_s: float,
+        connect_timeout_s: float,
+        wait_timeout_ms: int,
+    ) -> None:
+        self.chosen = chosen
+        self.wait_timeout_ms = wait_timeout_ms
+        self.durability: Durability | None = None
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=pool_timeout_s,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            # Retries are the store's (bounded, per operation); redis-py's own would hide
+            # outages and reconnect without telling anyone.
+            retry=Retry(NoBackoff(), 0),
+            redis_connect_func=self._connect,
+        )
+        self.client = aioredis.Redis.from_pool(pool)
+
+    async def _connect(self, connection: AbstractConnection) -> None:
+        """The handshake, then the proof on this very connection (see the module doc)."""
+        await connection.on_connect()
+        if self.chosen.mode == "none":  # the explicit opt-out was logged once, at start-up
+            self.durability = self.chosen
+            return
+
+        async def execute(*args: Any) -> Any:
+            await connection.send_command(*args)
+            return await connection.read_response(disable_decoding=True)
+
+        try:
+            proven = await check_durability(
+                execute,
+                self.chosen,
+                where=connection_name(connection),
+                wait_timeout_ms=self.wait_timeout_ms,
+            )
+        except BaseException:
+            # Never hand out a connection that did not prove itself: redis-py would keep it
+            # connected, and the next user would skip the check.
+            await connection.disconnect()
+            raise
+        if self.durability is not None and proven != self.durability:
+            log.warning(
+                "%s now meets the durability guarantee by %s (was %s)",
+                connection_name(connection),
+                proven.how or proven.mode,
+                self.durability.how or self.durability.mode,
+            )
+        self.durability = proven

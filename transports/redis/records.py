@@ -1,0 +1,101 @@
+"""What the fields of a rollout hash hold, and how they are read back as entries.
+
+Fields hold exactly the shared codec's form (``capture.codec.entries``): ``e:<call>`` the entry's
+body, ``b:<name>`` a stored block (whole or extension, with its parent link), ``t:<parent>``
+the tail a later call may extend. Reading them back is the codec's decode, with one block
+cache per snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capture.codec.entries import decode_entries, read_body
+from capture.records import TokenCaptureSnapshot
+from transports.redis import keys as k
+
+
+def split(fields: dict[bytes, bytes]) -> dict[str, dict[str, bytes]]:
+    """The hash's per-call and per-block fields, by kind, keyed by call id or block name."""
+    names = (k.ENTRY, k.INTENT, k.MARK, k.BLOCK, k.UNRECEIVED)
+    kinds: dict[str, dict[str, bytes]] = {kind: {} for kind in names}
+    for name, value in fields.items():
+        kind, rest = k.split_field(name)
+        if kind in kinds:
+            kinds[kind][rest] = value
+    return kinds
+
+
+def _flag(fields: dict[bytes, bytes], name: str) -> bool:
+    return fields.get(name.encode()) == b"1"
+
+
+def _pending(kinds: dict[str, dict[str, bytes]]) -> list[str]:
+    """Calls with an open intent, no entry, and no note that the reply went unreceived."""
+    settled = kinds[k.ENTRY].keys() | kinds[k.UNRECEIVED].keys()
+    return sorted(
+        call_id
+        for call_id, value in kinds[k.INTENT].items()
+        if value == k.INTENT_OPEN and call_id not in settled
+    )
+
+
+def snapshot_of(
+    rollout_id: str, fields: dict[bytes, bytes], version: int, snapshot_id: str
+) -> TokenCaptureSnapshot:
+    kinds = split(fields)
+    bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
+    calls = sorted(bodies)
+    entries = tuple(decode_entries([bodies[c] for c in calls], blocks, trusted=True))
+    reasons = [
+        f"call {call_id or '(rollout)'}: {reason.decode()}"
+        for call_id, reason in sorted(kinds[k.MARK].items())
+    ]
+    pending = _pending(kinds)
+    reasons += [f"call {call_id}: intent without entry" for call_id in pending]
+    retired = _flag(fields, k.RETIRED)
+    if retired:  # its entries are gone, so it can no longer be rebuilt
+        reasons.append("rollout retired: its entries were dropped")
+    return TokenCaptureSnapshot(
+        rollout_id=rollout_id,
+        entries=entries,
+        incomplete=_flag(fields, k.INCOMPLETE) or bool(pending) or retired,
+        snapshot_id=snapshot_id,
+        version=version,
+        incomplete_reasons=tuple(reasons),
+        unreceived=tuple(sorted(kinds[k.UNRECEIVED])),
+    )
+
+
+def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
+    kinds = split(fields)
+    bodies = kinds[k.ENTRY]
+    pending = _pending(kinds)
+    prompt_max, generated = 0, 0
+    for body in bodies.values():
+        data = read_body(body)
+        prompt_max = max(prompt_max, data["prompt_len"])
+        generated += data["generated"]
+    retired = _flag(fields, k.RETIRED)
+    if not fields:
+        state = "absent"
+    elif retired:
+        state = "retired"
+    elif _flag(fields, k.FROZEN):
+        state = "frozen"
+    else:
+        state = "open"
+    snapshot_id = fields.get(k.SNAPSHOT_ID.encode())
+    return {
+        "rollout_id": rollout_id,
+        "state": state,
+        "calls": len(bodies),
+        "pending_intents": len(pending),
+        "unreceived": len(kinds[k.UNRECEIVED]),
+        "incomplete": _flag(fields, k.INCOMPLETE),  # marked lost; pending intents aside
+        "version": int(fields.get(k.VERSION.encode()) or 0),
+        "snapshot_id": snapshot_id.decode() if snapshot_id else "",
+        "prompt_tokens_max": prompt_max,
+        "generated_tokens": generated,
+        "tombstone": retired,
+    }
