@@ -53,6 +53,9 @@ JSON_HEADERS = {"content-type": "application/json"}
 # httpx's default pool size, with every connection kept alive: concurrent calls of a harness
 # fleet reuse warm connections instead of reconnecting beyond httpx's default of 20 idle ones.
 MAX_CONNECTIONS = 100
+# uvicorn, which serves vLLM and SGLang, closes a connection idle for 5 s; a pooled one kept
+# as long can be closed just as a request goes out on it. Expire ours well before that.
+KEEPALIVE_EXPIRY_S = 2.0
 # The first vLLM release that answers return_token_ids (prompt_token_ids, token_ids).
 TOKEN_IDS_SINCE = (0, 10, 2)
 # What vLLM writes for a log-prob it does not have (and for -inf, clamped).
@@ -367,7 +370,9 @@ class UpstreamClient:
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(
-                max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
+                max_connections=MAX_CONNECTIONS,
+                max_keepalive_connections=MAX_CONNECTIONS,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
             ),
         )
         self._urls: dict[str, httpx.URL] = {}
@@ -384,7 +389,17 @@ class UpstreamClient:
     async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         content = jsonbytes.dumps(body)  # ValueError for NaN, as httpx's json= raised
         try:
-            response = await self._http.post(self._url(path), content=content, headers=JSON_HEADERS)
+            try:
+                response = await self._http.post(
+                    self._url(path), content=content, headers=JSON_HEADERS
+                )
+            except httpx.RemoteProtocolError:
+                # The engine closed a pooled connection as the request went out, and answered
+                # nothing: send it once more. A sample it may have drawn was never returned,
+                # so nothing of it reaches the harness or the capture.
+                response = await self._http.post(
+                    self._url(path), content=content, headers=JSON_HEADERS
+                )
         except httpx.HTTPError as exc:
             raise UpstreamError(
                 502, f"upstream {self.base_url} unreachable: {type(exc).__name__}: {exc}"

@@ -10,6 +10,7 @@ the official Anthropic SDK as the harness. Whatever the corruption, the harness 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -487,3 +488,37 @@ def test_the_uncorrupted_path_delivers_an_unmasked_rollout(chain: Chain) -> None
         assert build.ok and not build.masked, build.metrics
     # The engine's era was asked once for all the calls this front end made.
     assert chain.proxy.requests["/version"] == 1
+
+
+# -- a pooled connection the engine closes as a request goes out ---------------------------
+
+
+async def test_a_request_the_engine_dropped_unanswered_is_sent_once_more() -> None:
+    """A real socket server that reads the first request and hangs up without a reply."""
+    body = json.dumps(reply()).encode()
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        seen.append(await reader.readexactly(length))
+        if len(seen) > 1:
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = UpstreamClient(f"http://127.0.0.1:{port}", model="m")
+    try:
+        data = await client._post("/v1/chat/completions", {"model": "m", "messages": []})
+    finally:
+        await client.close()
+        server.close()
+    assert data["prompt_token_ids"] == [1, 2, 3]
+    assert len(seen) == 2 and seen[0] == seen[1]
