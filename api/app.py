@@ -9,7 +9,6 @@ the reply, streamed or not. Each step reads only the previous step's output.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -26,7 +25,7 @@ from api.dialects.common import RequestError
 from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
-from api.routing import CapturePrefixRouter
+from api.routing import CapturePrefixRouter, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
 from api.upstream import UpstreamClient, UpstreamError
 from capture.context import (
@@ -36,7 +35,8 @@ from capture.context import (
     resolve_unserved,
     void_call,
 )
-from capture.registry import install_token_sink, installed_token_sink
+from capture.protocols import StartupCheck, TokenSink
+from capture.registry import installed_token_sink
 
 # nginx's status for a request whose client closed the connection first; nobody reads it.
 CLIENT_CLOSED_REQUEST = 499
@@ -190,24 +190,32 @@ def _request_body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+async def _start_sink(settings: ServerSettings) -> tuple[TokenSink | None, bool]:
+    """This worker's sink and whether it owns it (so closes it at shutdown).
+
+    The configured sink is built here, once per worker; without one, a sink the embedding
+    process installed (``install_token_sink``) is used. A sink that proves itself
+    (``StartupCheck``: Redis durability) fails the worker now, not a harness's call.
+    """
+    sink = settings.build_sink()
+    owned = sink is not None
+    if sink is None:
+        sink = installed_token_sink()
+    if isinstance(sink, StartupCheck):
+        await sink.start()
+    return sink, owned
+
+
 def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """The front end; each worker builds its own sink and upstream client at startup."""
     settings = settings or ServerSettings()
 
+    slot = SinkSlot()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The configured sink, else one the embedding process installed (install_token_sink).
-        sink = settings.build_sink()
-        owned = sink is not None
-        if sink is None:
-            sink = installed_token_sink()
-        start = getattr(sink, "start", None)
-        if callable(start):
-            # A sink that proves itself (Redis durability) fails this worker now, not a call.
-            started = start()
-            if inspect.isawaitable(started):
-                await started
-        app.state.token_sink = sink
+        sink, owned = await _start_sink(settings)
+        slot.sink = sink
         app.state.upstream = UpstreamClient(
             settings.upstream,
             model=settings.model,
@@ -215,24 +223,18 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
             timeout_s=settings.upstream_timeout_s,
             vocab_size=settings.vocab_size,
         )
-        previous = install_token_sink(sink) if owned else None
         try:
             yield
         finally:
+            slot.sink = None
             await app.state.upstream.close()
-            if owned:
-                install_token_sink(previous)
+            if owned and sink is not None:
                 await sink.close()
 
     app = FastAPI(title="tokcap front end", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = FrontEndMetrics()
-    app.state.token_sink = None
-    app.add_middleware(
-        CapturePrefixRouter,
-        sink_provider=lambda: app.state.token_sink,
-        capture_timeout_s=settings.capture_timeout_s,
-    )
+    app.add_middleware(CapturePrefixRouter, slot=slot, capture_timeout_s=settings.capture_timeout_s)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,

@@ -12,27 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from api.dialects.common import arguments_text, new_id
+from api.types import CapturedCall
 from api.upstream import Generation
-from capture.context import capture_tokens, current_call, mark_incomplete
+from capture.context import CallCapture, capture_entry, current_call, mark_incomplete
 from capture.records import TokenEntry
-
-
-@dataclass(frozen=True)
-class CapturedCall:
-    """A completion, the items served for it, and the outcome of its capture."""
-
-    generation: Generation
-    items: list[dict[str, Any]]
-    entry: TokenEntry | None
-    # "captured", "incomplete" (its loss is recorded), "unrecorded" (neither the entry nor
-    # its loss became durable: the harness must not get the reply) or "uncaptured" (no
-    # capture context: an untagged path).
-    outcome: str
-    put_seconds: float = 0.0
 
 
 def output_items(generation: Generation) -> list[dict[str, Any]]:
@@ -73,15 +59,24 @@ def output_items(generation: Generation) -> list[dict[str, Any]]:
     return items
 
 
-def carrier_response(generation: Generation, items: list[dict[str, Any]]) -> dict[str, Any]:
-    """The served response with the token arrays on the last item (what gets extracted)."""
-    served = [dict(item) for item in items]
-    served[-1].update(
+def call_entry(
+    generation: Generation, items: list[dict[str, Any]], call: CallCapture
+) -> TokenEntry:
+    """The call's entry, straight from the typed generation: the arrays ride on the last item.
+
+    ValueError when the arrays are inconsistent (say, fewer log-probs than ids).
+    """
+    return TokenEntry(
+        rollout_id=call.rollout_id,
+        model_call_id=call.model_call_id,
+        model=str(generation.response.get("model") or ""),
         prompt_token_ids=generation.prompt_token_ids,
         generation_token_ids=generation.generation_token_ids,
         generation_log_probs=generation.generation_log_probs,
+        output_items=[dict(item) for item in items],
+        token_item_index=len(items) - 1,
+        overridden_sampling_keys=list(generation.overridden_keys),
     )
-    return {"model": str(generation.response.get("model") or ""), "output": served}
 
 
 async def capture(generation: Generation) -> CapturedCall:
@@ -95,10 +90,12 @@ async def capture(generation: Generation) -> CapturedCall:
     if generation.ids_problem is not None:
         await mark_incomplete(f"upstream ids unusable: {generation.ids_problem}")
     else:
-        entry = await capture_tokens(
-            carrier_response(generation, items),
-            overridden_sampling_keys=list(generation.overridden_keys),
-        )
+        try:
+            built = call_entry(generation, items, call)
+        except ValueError as exc:
+            await mark_incomplete(f"no usable token ids: {exc}")
+        else:
+            entry = await capture_entry(built)
     seconds = time.perf_counter() - started
     outcome = "captured" if entry is not None else "unrecorded" if call.unrecorded else "incomplete"
     return CapturedCall(generation, items, entry, outcome, seconds)

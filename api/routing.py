@@ -10,16 +10,22 @@ rewritten (a rewritten id would merge or split rollouts).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 from api.limits import send_error
 from api.types import ASGIApp, Receive, Scope, Send
 from capture.context import DEFAULT_CAPTURE_TIMEOUT_S, capture_call
 from capture.errors import InvalidRolloutIdError
+from capture.protocols import TokenSink
 from capture.rollout_ids import split_capture_path, validate_rollout_id
 
-SinkProvider = Callable[[], Any]
+
+@dataclass
+class SinkSlot:
+    """The one place a worker's sink lives: empty until its lifespan built it, then read
+    by the router for every captured call."""
+
+    sink: TokenSink | None = None
 
 
 def _strip_raw_path(raw_path: bytes | None, path: str, rest: str) -> bytes:
@@ -37,11 +43,11 @@ class CapturePrefixRouter:
     def __init__(
         self,
         app: ASGIApp,
-        sink_provider: SinkProvider,
+        slot: SinkSlot,
         capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S,
     ) -> None:
         self.app = app
-        self.sink_provider = sink_provider
+        self.slot = slot
         self.capture_timeout_s = capture_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -64,7 +70,7 @@ class CapturePrefixRouter:
         scope["raw_path"] = _strip_raw_path(scope.get("raw_path"), path, rest)
         scope["path"] = rest
         scope["tokcap_rollout_id"] = rollout_id
-        sink = self.sink_provider() if captured else None
+        sink = self.slot.sink if captured else None
         if sink is None:
             await self.app(scope, receive, send)
             return

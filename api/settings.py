@@ -9,7 +9,7 @@ in the capture block. Environment variables override the file so one YAML serves
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from capture.config import TokenIdCaptureConfig, find_capture_block, load_document
 from capture.context import DEFAULT_CAPTURE_TIMEOUT_S
 from capture.errors import ConfigError
+from capture.protocols import TokenSink
 
 SERVER_KEY = "model_server"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -52,7 +53,7 @@ class ModelServerBlock(BaseModel):
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Everything ``create_app`` needs; ``sink_factory`` wins over the capture config."""
+    """Everything ``create_app`` needs; the sink comes from the capture config."""
 
     upstream: str = "http://127.0.0.1:8001"  # tokcap engine's default port
     # Model name sent upstream; None asks the upstream's /v1/models once.
@@ -69,7 +70,6 @@ class ServerSettings:
     # harness is answered 503 instead of the reply.
     capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S
     capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
-    sink_factory: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes < self.max_body_bytes:
@@ -78,10 +78,8 @@ class ServerSettings:
                 f"max_body_bytes ({self.max_body_bytes}), or no body of the largest size fits"
             )
 
-    def build_sink(self) -> Any:
-        """A new sink for this worker, or None when capture is off."""
-        if self.sink_factory is not None:
-            return self.sink_factory()
+    def build_sink(self) -> TokenSink | None:
+        """A new sink for this worker, or None when capture is off or names no store."""
         return self.capture.build_sink()
 
     @classmethod

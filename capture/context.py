@@ -228,14 +228,11 @@ async def _put(call: CallCapture, entry: TokenEntry, until: float) -> tuple[str 
 async def capture_tokens(response: Mapping[str, Any], **extra: Any) -> TokenEntry | None:
     """Build this call's entry from a served response and put it; never raises.
 
-    The put is retried for ``PUT_SHARE`` of the call's timeout; for the rest, the loss mark
-    (after one more put, when the store was out). The call is ``unrecorded`` when neither
-    became durable.
+    The Gym-compatible path: the token arrays ride on one output item of ``response``.
     """
     call = current_call()
     if call is None or call.done:
         return call.entry if call else None
-    started = time.monotonic()
     try:
         entry = entry_from_response(
             response, rollout_id=call.rollout_id, model_call_id=call.model_call_id, **extra
@@ -243,6 +240,23 @@ async def capture_tokens(response: Mapping[str, Any], **extra: Any) -> TokenEntr
     except Exception as exc:
         await mark_incomplete(f"no usable token ids: {exc}")
         return None
+    return await capture_entry(entry)
+
+
+async def capture_entry(entry: TokenEntry) -> TokenEntry | None:
+    """Put this call's entry, built by the caller for the current call; never raises.
+
+    The put is retried for ``PUT_SHARE`` of the call's timeout; for the rest, the loss mark
+    (after one more put, when the store was out). The call is ``unrecorded`` when neither
+    became durable.
+    """
+    call = current_call()
+    if call is None or call.done:
+        return call.entry if call else None
+    if (entry.rollout_id, entry.model_call_id) != (call.rollout_id, call.model_call_id):
+        await mark_incomplete(f"the entry names call {entry.model_call_id}, not this call")
+        return None
+    started = time.monotonic()
     problem, out = await _put(call, entry, started + call.timeout_s * PUT_SHARE)
     if problem is None:
         return call.entry

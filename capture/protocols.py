@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from capture.records import TokenCaptureSnapshot
+from capture.records import TokenCaptureSnapshot, TokenEntry
 
 
 @runtime_checkable
 class TokenSink(Protocol):
-    async def put(self, entry: Any) -> None: ...
+    async def put(self, entry: TokenEntry) -> None: ...
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None: ...
 
@@ -48,6 +48,17 @@ class ReceiptSink(Protocol):
     """
 
     async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None: ...
+
+
+@runtime_checkable
+class StartupCheck(Protocol):
+    """Optional extension: a sink that proves itself before it takes its first call.
+
+    The Redis store proves its durability guarantee here, so a server that cannot keep it
+    fails the worker at start-up rather than a harness's call.
+    """
+
+    async def start(self) -> None: ...
 
 
 @runtime_checkable

@@ -1,8 +1,10 @@
-"""The process-wide sink and source, installed once at startup.
+"""A process-wide sink and source, for processes that embed tokcap in their own server.
 
-A model server installs the sink its config names; a trainer installs the source it reads
-through. Installing checks the structural protocol, so a wrong object fails at startup rather
-than on the first call.
+The front end builds its own sink from its config and never reads this registry, except as
+a fallback when its config names no store: a process that embeds the front end (or a model
+server of its own that calls ``capture_tokens``) installs its sink here; a trainer may
+install the source it reads through. Installing checks the structural protocol, so a wrong
+object fails at startup rather than on the first call.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.capture_step import CapturedCall
 from api.dialects.common import (
     RequestError,
     arguments_object,
@@ -27,6 +26,7 @@ from api.dialects.common import (
     require_text,
     tool_call,
 )
+from api.types import CapturedCall
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 ERROR_TYPES = {

@@ -12,8 +12,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from api.capture_step import CapturedCall
 from api.dialects.common import RequestError, new_id, number, require_list, require_mapping
+from api.types import CapturedCall
 
 # Request fields forwarded upstream as sent (sampling and rendering, not capture).
 PASSED = (

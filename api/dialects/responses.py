@@ -14,7 +14,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from api.capture_step import CapturedCall
 from api.dialects.common import (
     RequestError,
     assistant_message,
@@ -26,6 +25,7 @@ from api.dialects.common import (
     require_text,
     tool_call,
 )
+from api.types import CapturedCall
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = {"user": "user", "system": "system", "developer": "system"}
