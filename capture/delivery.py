@@ -30,6 +30,7 @@ from capture.build.builder import BuildResult, run_builder
 from capture.errors import InvalidRolloutIdError, TokenCaptureError
 from capture.records import TOKEN_FIELDS, TokenCaptureSnapshot
 from capture.rollout_ids import rollout_id_from_run_body, validate_rollout_id
+from capture.summary import RolloutSummary
 
 log = logging.getLogger("tokcap.delivery")
 
@@ -48,42 +49,51 @@ class SourceUnavailableError(TokenCaptureError):
     """The source could not be reached to freeze the rollout; a later attempt may work."""
 
 
+BuildStatus = Literal["ok", "masked", "skipped", "failed"]
+
+
 @dataclass(frozen=True)
 class RolloutBuild:
     """What finalize did; ``(snapshot_id, version)`` names the snapshot retire may drop.
 
-    ``error_kind`` says why a build failed, so a caller acts on it without guessing:
-    ``"record"`` (the record itself cannot be rebuilt; nothing was frozen), ``"source"``
-    (the source could not be reached; nothing is known about the capture) or ``"build"``
-    (anything else; the snapshot, if any, is kept as evidence). None when nothing failed.
+    ``status``: ``"ok"`` (delivered unmasked: the only kind that may be retired),
+    ``"masked"`` (built, excluded from the loss), ``"skipped"`` (the record already carried
+    token ids and was left alone) or ``"failed"``. A failure says its kind, so a caller acts
+    on it without guessing: ``"record"`` (the record itself cannot be rebuilt; nothing was
+    frozen), ``"source"`` (the source could not be reached: transient, try again) or
+    ``"build"`` (anything else; the snapshot, if any, is kept as evidence).
     """
 
     rollout_id: str | None
+    status: BuildStatus
     snapshot_id: str = ""
     version: int = 0
-    ok: bool = False  # a successful, unmasked build: the only kind that may be retired
-    masked: bool = False
-    metrics: dict[str, Any] = field(default_factory=dict)
+    summary: RolloutSummary = field(default_factory=RolloutSummary)
     error: str | None = None
-    skipped: bool = False  # the record already carried token ids and was left alone
     error_kind: ErrorKind | None = None
 
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
 
-def empty_metrics() -> dict[str, Any]:
-    """Metrics of a rollout that produced nothing to deliver."""
-    return {
-        "n_calls": 0,
-        "chains": 0,
-        "roots": 0,
-        "quarantined_calls": 0,
-        "quarantined_fraction": 0.0,
-        "delivered_fraction": 0.0,
-        "generated_tokens_captured": 0,
-        "generated_tokens_delivered": 0,
-        "empty_generation_calls": 0,
-        "capture_incomplete": None,  # unknown until a snapshot was read
-        "error": None,
-    }
+    @property
+    def masked(self) -> bool:
+        """Excluded from the loss: a masked build, or a failed one."""
+        return self.status in ("masked", "failed")
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "skipped"
+
+    @property
+    def transient(self) -> bool:
+        """A failure a later attempt may not have: the source could not be reached."""
+        return self.error_kind == "source"
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The summary as the record carries it under ``_ng_token_capture``."""
+        return self.summary.as_dict()
 
 
 def carries_token_ids(output: Any) -> bool:
@@ -100,10 +110,10 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _mark(result: Any, masked: bool, metrics: dict[str, Any]) -> None:
+def _mark(result: Any, masked: bool, summary: RolloutSummary) -> None:
     # A record someone else already masked stays masked: finalize only ever adds a mask.
     if isinstance(result, MutableMapping):
-        result[METRICS_KEY] = metrics
+        result[METRICS_KEY] = summary.as_dict()
         result[MASK_KEY] = masked or result.get(MASK_KEY) is True
 
 
@@ -170,60 +180,52 @@ async def finalize_rollout_token_capture(
     result: Any, source: Any, *, rollout_id: str | None = None
 ) -> RolloutBuild:
     """Freeze, rebuild and attach the rollout's tokens to ``result``; never raises."""
-    metrics = empty_metrics()
     snapshot: TokenCaptureSnapshot | None = None
     try:
         output = check_record(result)
         if carries_token_ids(output):
-            return RolloutBuild(rollout_id=rollout_id, skipped=True)
+            return RolloutBuild(rollout_id=rollout_id, status="skipped")
         rollout_id = record_rollout_id(result, rollout_id)
-
         snapshot = await _freeze(source, rollout_id)
-        metrics["capture_incomplete"] = bool(snapshot.incomplete)
         build = run_builder(snapshot, final_answer=output)
         if build.rollout_id != rollout_id:
             raise TokenCaptureError(
                 f"source returned a snapshot of rollout {build.rollout_id!r} for {rollout_id!r}"
             )
         reasons = _mask_reasons(snapshot, build)
-        metrics.update(build.metrics())
-        metrics["mask_reasons"] = reasons
-        masked = bool(reasons)
-        if not masked:
+        summary = RolloutSummary.of_build(
+            build, capture_incomplete=bool(snapshot.incomplete), mask_reasons=reasons
+        )
+        if not reasons:
             result["response"]["output"] = list(build.output)
-        _mark(result, masked, metrics)
+        _mark(result, bool(reasons), summary)
         return RolloutBuild(
             rollout_id=rollout_id,
+            status="masked" if reasons else "ok",
             snapshot_id=snapshot.snapshot_id,
             version=snapshot.version,
-            ok=not masked,
-            masked=masked,
-            metrics=metrics,
+            summary=summary,
         )
     except Exception as exc:  # finalize never raises: the error is a masked record
-        return _failed(result, rollout_id, snapshot, metrics, exc)
+        return _failed(result, rollout_id, snapshot, exc)
 
 
 def _failed(
-    result: Any,
-    rollout_id: Any,
-    snapshot: TokenCaptureSnapshot | None,
-    metrics: dict[str, Any],
-    exc: Exception,
+    result: Any, rollout_id: Any, snapshot: TokenCaptureSnapshot | None, exc: Exception
 ) -> RolloutBuild:
     """The masked build of a failure, with its kind; the snapshot (if any) stays as it is."""
     error = f"{type(exc).__name__}: {exc}"
     kind = _error_kind(exc)
     log.warning("token capture of rollout %s not delivered (%s): %s", rollout_id, kind, error)
-    metrics["error"] = error
-    metrics["mask_reasons"] = [f"{kind} error: {error}"]
-    _mark(result, True, metrics)
+    incomplete = bool(snapshot.incomplete) if snapshot is not None else None
+    summary = RolloutSummary.of_failure(error, f"{kind} error: {error}", incomplete)
+    _mark(result, True, summary)
     return RolloutBuild(
         rollout_id=rollout_id if isinstance(rollout_id, str) else None,
+        status="failed",
         snapshot_id=snapshot.snapshot_id if snapshot is not None else "",
         version=snapshot.version if snapshot is not None else 0,
-        masked=True,
-        metrics=metrics,
+        summary=summary,
         error=error,
         error_kind=kind,
     )

@@ -92,25 +92,6 @@ class BuildResult:
         """The delivered token sequence and its loss mask (0 context, 1 generated)."""
         return flat_ids_and_mask(self.output)
 
-    def metrics(self) -> dict[str, Any]:
-        """The per-rollout metrics the builder knows (delivery adds the capture state)."""
-        return {
-            "n_calls": self.n_calls,
-            "chains": len(self.chains),
-            "roots": len(self.roots),
-            "quarantined_calls": len(self.quarantined),
-            "quarantined_fraction": self.quarantined_fraction,
-            "delivered_fraction": self.delivered_fraction,
-            "generated_tokens_captured": self.generated_tokens_captured,
-            "generated_tokens_delivered": self.generated_tokens_delivered,
-            "empty_generation_calls": len(self.empty_generation),
-            "unreceived_calls": len(self.unreceived),
-            "main_chain_calls": len(self.main_chain),
-            "main_chain_by": self.main_chain_by,
-            "discarded_retries": len(self.discarded_retries),
-            "unresolved_retries": len(self.unresolved_retries),
-        }
-
 
 def _extends(prompt: list[int], parent: TokenEntry) -> bool:
     """Whether ``prompt`` starts with the parent's prompt + generation.

@@ -11,7 +11,12 @@ from capture.build.builder import run_builder
 from capture.build.projection import contiguity_errors, flat_ids_and_mask, is_contiguous
 from capture.errors import ConflictingEntryError
 from capture.records import TokenCaptureSnapshot, TokenEntry
+from capture.summary import RolloutSummary
 from tests.support.chains import SYSTEM, chain_entries, entry, fresh, full, message
+
+
+def summary_of(build) -> RolloutSummary:
+    return RolloutSummary.of_build(build, capture_incomplete=False, mask_reasons=[])
 
 
 def test_linear_chain_links_each_call_to_the_previous_one():
@@ -56,7 +61,7 @@ def test_calls_without_generated_tokens_are_set_aside_and_counted():
     build = run_builder([*calls, empty])
     assert build.empty_generation == ("empty",)
     assert "empty" not in build.parents
-    assert build.metrics()["empty_generation_calls"] == 1
+    assert summary_of(build).empty_generation_calls == 1
     assert build.n_calls == 4
     assert not build.masked
     assert build.main_chain == ("c000", "c001", "c002")
@@ -96,7 +101,7 @@ def test_two_identical_candidate_parents_quarantine_the_child_and_mask_the_deliv
     assert build.chains[0].quarantined
     assert build.masked
     assert any("ambiguous parent" in reason for reason in build.mask_reasons)
-    assert build.metrics()["quarantined_calls"] == 1
+    assert summary_of(build).quarantined_calls == 1
     assert build.quarantined_fraction == pytest.approx(1 / 4)
 
 
@@ -382,7 +387,7 @@ def test_an_unreceived_last_call_is_left_out_and_counted():
     build = run_builder(unreceived_snapshot(calls, ("c003",)), final_answer=[message("c says 2")])
     assert not build.masked, build.mask_reasons
     assert build.main_chain == ("c000", "c001", "c002")
-    assert build.unreceived == ("c003",) and build.metrics()["unreceived_calls"] == 1
+    assert build.unreceived == ("c003",) and summary_of(build).unreceived_calls == 1
     assert build.generated_tokens_delivered == 6
     # Without the note, the same answer matches no leaf: the rollout is masked, never
     # delivered with a call the harness did not see.

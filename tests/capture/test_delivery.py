@@ -20,6 +20,7 @@ from capture.delivery import (
 )
 from capture.errors import RolloutFrozenError, SchemaVersionError
 from capture.records import TokenCaptureSnapshot
+from capture.summary import SUMMARY_KEYS
 from tests.support.chains import chain_entries, entry, fresh, full, message
 
 METRIC_KEYS = {
@@ -400,3 +401,26 @@ def test_mask_fraction_guard_waits_for_min_samples_then_raises():
         MaskFractionGuard(max_fraction=1.5)
     with pytest.raises(ValueError):
         MaskFractionGuard(max_fraction=0.1, min_samples=0)
+
+
+async def test_every_outcome_carries_every_summary_key(store):
+    """Delivered, masked and failed builds feed a dashboard the same keys."""
+    calls = chain_entries(2, rollout_id="r-keys")
+    await record_calls(store, calls)
+    delivered = run_record("r-keys", "c says 1")
+    await finalize_rollout_token_capture(delivered, store)
+    masked = run_record("r-keys-none", "nothing was captured")
+    await finalize_rollout_token_capture(masked, store)
+
+    class Unreachable:
+        async def freeze(self, rollout_id):
+            raise ConnectionError("store unreachable")
+
+    failed = run_record("r-keys-down", "x")
+    built = await finalize_rollout_token_capture(failed, Unreachable())
+    assert built.status == "failed" and built.transient and built.masked
+    assert delivered["mask_sample"] is False and masked["mask_sample"] is True
+    for record in (delivered, masked, failed):
+        assert tuple(record[METRICS_KEY]) == SUMMARY_KEYS
+    assert failed[METRICS_KEY]["error"].startswith("SourceUnavailableError")
+    assert failed[METRICS_KEY]["capture_incomplete"] is None

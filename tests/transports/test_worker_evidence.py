@@ -266,9 +266,9 @@ async def test_an_older_build_is_never_published_after_a_newer_one(
     worker = make_worker(redis_url, redis_prefix)
     await worker.start()
     record = finished_record("race-1")
-    newer = RolloutBuild(rollout_id="race-1", snapshot_id="s1", version=3, masked=True)
-    older = RolloutBuild(rollout_id="race-1", snapshot_id="s1", version=2, ok=True)
-    other = RolloutBuild(rollout_id="race-1", snapshot_id="s2", version=1, ok=True)
+    newer = RolloutBuild(rollout_id="race-1", snapshot_id="s1", version=3, status="masked")
+    older = RolloutBuild(rollout_id="race-1", snapshot_id="s1", version=2, status="ok")
+    other = RolloutBuild(rollout_id="race-1", snapshot_id="s2", version=1, status="ok")
     try:
         written = await worker._publish("7-1", "race-1", dict(record), newer)
         assert written.fresh and not written.ok and not written.stale

@@ -1,0 +1,70 @@
+"""The per-rollout summary a rebuilt record carries under ``_ng_token_capture``.
+
+One typed shape for every outcome (a delivered rollout, a masked one, a failed build), so a
+dashboard always sees the same keys: a failed build reports zeros and its error, never a
+shorter dict. The README's metrics table documents each field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from capture.build.builder import BuildResult
+
+
+@dataclass(frozen=True)
+class RolloutSummary:
+    n_calls: int = 0  # calls captured (with or without generated tokens)
+    chains: int = 0  # root-to-leaf chains found by prefix merging
+    roots: int = 0
+    quarantined_calls: int = 0  # calls with an ambiguous parent
+    quarantined_fraction: float = 0.0
+    delivered_fraction: float = 0.0  # generated tokens delivered / generated tokens captured
+    generated_tokens_captured: int = 0
+    generated_tokens_delivered: int = 0
+    empty_generation_calls: int = 0  # calls with no generated tokens, set aside
+    unreceived_calls: int = 0  # replies the harness never got that nothing extends, left out
+    main_chain_calls: int = 0
+    main_chain_by: str = ""  # "final_answer", "only_root", or "" when nothing is delivered
+    discarded_retries: int = 0  # retries a later call did not extend, dropped
+    unresolved_retries: int = 0  # groups of retries none of which was extended
+    capture_incomplete: bool | None = None  # None: no snapshot was read
+    mask_reasons: list[str] = field(default_factory=list)  # empty: delivered unmasked
+    error: str | None = None  # a failed build's error
+
+    @classmethod
+    def of_build(
+        cls, build: BuildResult, *, capture_incomplete: bool, mask_reasons: list[str]
+    ) -> RolloutSummary:
+        """The summary of a build the builder finished (masked or not)."""
+        return cls(
+            n_calls=build.n_calls,
+            chains=len(build.chains),
+            roots=len(build.roots),
+            quarantined_calls=len(build.quarantined),
+            quarantined_fraction=build.quarantined_fraction,
+            delivered_fraction=build.delivered_fraction,
+            generated_tokens_captured=build.generated_tokens_captured,
+            generated_tokens_delivered=build.generated_tokens_delivered,
+            empty_generation_calls=len(build.empty_generation),
+            unreceived_calls=len(build.unreceived),
+            main_chain_calls=len(build.main_chain),
+            main_chain_by=build.main_chain_by,
+            discarded_retries=len(build.discarded_retries),
+            unresolved_retries=len(build.unresolved_retries),
+            capture_incomplete=capture_incomplete,
+            mask_reasons=list(mask_reasons),
+        )
+
+    @classmethod
+    def of_failure(cls, error: str, mask_reason: str, capture_incomplete: bool | None = None):
+        """The summary of a build that failed: nothing delivered, the error named."""
+        return cls(capture_incomplete=capture_incomplete, mask_reasons=[mask_reason], error=error)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SUMMARY_KEYS = tuple(RolloutSummary.__dataclass_fields__)
