@@ -9,8 +9,9 @@ the reply, streamed or not. Each step reads only the previous step's output.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -206,32 +207,133 @@ async def _start_sink(settings: ServerSettings) -> tuple[TokenSink | None, bool]
     return sink, owned
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI, settings: ServerSettings, slot: SinkSlot) -> AsyncIterator[None]:
+    """This worker's sink (into the slot the router reads) and upstream client, then closed."""
+    sink, owned = await _start_sink(settings)
+    slot.sink = sink
+    app.state.upstream = UpstreamClient(
+        settings.upstream,
+        model=settings.model,
+        sampling_overrides=settings.sampling_overrides,
+        timeout_s=settings.upstream_timeout_s,
+        vocab_size=settings.vocab_size,
+    )
+    try:
+        yield
+    finally:
+        slot.sink = None
+        await app.state.upstream.close()
+        if owned and sink is not None:
+            await sink.close()
+
+
+async def base_path() -> dict[str, str]:
+    """A base URL answers (harnesses probe it with HEAD before the first call)."""
+    return {"status": "ok", "service": "tokcap"}
+
+
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def metrics(request: Request) -> Response:
+    data, content_type = request.app.state.metrics.exposition()
+    return Response(data, media_type=content_type)
+
+
+def _model_card(item: Mapping[str, Any]) -> dict[str, Any]:
+    """One served model, with the fields both SDKs read (OpenAI and Anthropic)."""
+    return {
+        "id": str(item["id"]),
+        "object": "model",
+        "type": "model",
+        "created": int(item.get("created") or 0),
+        "created_at": "1970-01-01T00:00:00Z",
+        "owned_by": str(item.get("owned_by") or "tokcap"),
+        "display_name": str(item["id"]),
+    }
+
+
+async def models(request: Request) -> Response:
+    """The served models: the upstream's, else the configured model."""
+    configured = request.app.state.settings.model
+    try:
+        upstream = await request.app.state.upstream.models()
+    except UpstreamError as exc:
+        if not configured:
+            return JSONResponse(chat.error_body(exc.status, exc.message), status_code=exc.status)
+        upstream = [{"id": configured}]
+    data = [_model_card(item) for item in upstream]
+    ids = [item["id"] for item in data]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "has_more": False,
+            "first_id": ids[0] if ids else None,
+            "last_id": ids[-1] if ids else None,
+        }
+    )
+
+
+async def count_tokens(request: Request) -> Response:
+    """Prompt length as the upstream renders it; not a model call, never captured."""
+    try:
+        chat_request = anthropic.count_request(await _json_body(request))
+    except (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+        return JSONResponse(anthropic.error_body(400, str(exc)), status_code=400)
+    client: UpstreamClient = request.app.state.upstream
+    chat_request["model"] = await client.model_name(chat_request.get("model"))
+    try:
+        ids = await client.tokenize(chat_request)
+    except UpstreamError as exc:
+        return JSONResponse(anthropic.error_body(exc.status, exc.message), status_code=exc.status)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+def _model_route(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await serve_call(request, dialect)
+
+    endpoint.__name__ = f"{dialect.name}_call"
+    return endpoint
+
+
+# Model routes: path, dialect, the request schema documented in OpenAPI.
+MODEL_ROUTES = (
+    ("/v1/messages", "anthropic", anthropic.REQUEST_SCHEMA),
+    ("/v1/chat/completions", "chat", chat.REQUEST_SCHEMA),
+    ("/v1/responses", "responses", responses.REQUEST_SCHEMA),
+)
+
+
+def _add_routes(app: FastAPI) -> None:
+    for path in ("/", "/v1"):
+        app.add_api_route(path, base_path, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    for path, name, schema in MODEL_ROUTES:
+        route = _model_route(DIALECTS[name])
+        app.add_api_route(path, route, methods=["POST"], openapi_extra=_request_body(schema))
+    app.add_api_route(
+        "/v1/messages/count_tokens",
+        count_tokens,
+        methods=["POST"],
+        openapi_extra=_request_body(anthropic.COUNT_SCHEMA),
+    )
+
+
 def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """The front end; each worker builds its own sink and upstream client at startup."""
     settings = settings or ServerSettings()
-
     slot = SinkSlot()
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        sink, owned = await _start_sink(settings)
-        slot.sink = sink
-        app.state.upstream = UpstreamClient(
-            settings.upstream,
-            model=settings.model,
-            sampling_overrides=settings.sampling_overrides,
-            timeout_s=settings.upstream_timeout_s,
-            vocab_size=settings.vocab_size,
-        )
-        try:
-            yield
-        finally:
-            slot.sink = None
-            await app.state.upstream.close()
-            if owned and sink is not None:
-                await sink.close()
-
-    app = FastAPI(title="tokcap front end", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="tokcap front end",
+        version="0.1.0",
+        lifespan=functools.partial(_lifespan, settings=settings, slot=slot),
+    )
     app.state.settings = settings
     app.state.metrics = FrontEndMetrics()
     app.add_middleware(CapturePrefixRouter, slot=slot, capture_timeout_s=settings.capture_timeout_s)
@@ -241,92 +343,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         max_inflight_bytes=settings.max_inflight_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
-
-    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-    @app.api_route("/v1", methods=["GET", "HEAD"], include_in_schema=False)
-    async def base_path() -> dict[str, str]:
-        """A base URL answers (harnesses probe it with HEAD before the first call)."""
-        return {"status": "ok", "service": "tokcap"}
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        data, content_type = app.state.metrics.exposition()
-        return Response(data, media_type=content_type)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        """The served models, in a shape both SDKs read (OpenAI and Anthropic fields)."""
-        try:
-            upstream = await app.state.upstream.models()
-        except UpstreamError as exc:
-            if not settings.model:
-                return JSONResponse(
-                    chat.error_body(exc.status, exc.message), status_code=exc.status
-                )
-            upstream = [{"id": settings.model}]
-        data = [
-            {
-                "id": str(item["id"]),
-                "object": "model",
-                "type": "model",
-                "created": int(item.get("created") or 0),
-                "created_at": "1970-01-01T00:00:00Z",
-                "owned_by": str(item.get("owned_by") or "tokcap"),
-                "display_name": str(item["id"]),
-            }
-            for item in upstream
-        ]
-        ids = [item["id"] for item in data]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "has_more": False,
-                "first_id": ids[0] if ids else None,
-                "last_id": ids[-1] if ids else None,
-            }
-        )
-
-    @app.post("/v1/messages", openapi_extra=_request_body(anthropic.REQUEST_SCHEMA))
-    async def messages(request: Request) -> Response:
-        return await serve_call(request, DIALECTS["anthropic"])
-
-    @app.post("/v1/messages/count_tokens", openapi_extra=_request_body(anthropic.COUNT_SCHEMA))
-    async def count_tokens(request: Request) -> Response:
-        """Prompt length as the upstream renders it; not a model call, never captured."""
-        try:
-            chat_request = anthropic.count_request(await _json_body(request))
-        except (
-            RequestError,
-            TypeError,
-            ValueError,
-            KeyError,
-            AttributeError,
-            RecursionError,
-        ) as exc:
-            return JSONResponse(anthropic.error_body(400, str(exc)), status_code=400)
-        client: UpstreamClient = app.state.upstream
-        chat_request["model"] = await client.model_name(chat_request.get("model"))
-        try:
-            ids = await client.tokenize(chat_request)
-        except UpstreamError as exc:
-            return JSONResponse(
-                anthropic.error_body(exc.status, exc.message), status_code=exc.status
-            )
-        return JSONResponse({"input_tokens": len(ids)})
-
-    @app.post("/v1/chat/completions", openapi_extra=_request_body(chat.REQUEST_SCHEMA))
-    async def chat_completions(request: Request) -> Response:
-        return await serve_call(request, DIALECTS["chat"])
-
-    @app.post("/v1/responses", openapi_extra=_request_body(responses.REQUEST_SCHEMA))
-    async def responses_create(request: Request) -> Response:
-        return await serve_call(request, DIALECTS["responses"])
-
+    _add_routes(app)
     return app
 
 
