@@ -27,9 +27,10 @@ from capture.records import TokenEntry
 from tests.support.rollouts import growing_rollout
 from tokcap.processes import Service
 from tokcap.redis_server import RedisServer
-from transports.rebuild.jobs import RebuildQueue, stream_names
+from transports.rebuild.jobs import RebuildQueue
 from transports.rebuild.results import decode_result, ensure_group
 from transports.redis import RedisTokenStore
+from transports.redis.keys import stream_names
 
 
 def rollout_entries(rollout_id: str, args: argparse.Namespace) -> list[TokenEntry]:

@@ -33,6 +33,7 @@ from capture.errors import (
 from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
 from capture.filestore.records import RolloutState, entries_from_records, head_record, put_record
 from capture.records import TokenCaptureSnapshot, TokenEntry
+from capture.retention import TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
 
 LOG_SUFFIX = ".log"
@@ -57,7 +58,7 @@ class TokenCaptureStore:
         dir: str | os.PathLike[str],
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        tombstone_ttl_s: float = 7 * 24 * 3600,
+        tombstone_ttl_s: float = TOMBSTONE_TTL_S,
         fsync: bool = True,
     ) -> None:
         if block_size < 1:

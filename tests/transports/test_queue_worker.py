@@ -29,10 +29,10 @@ from transports.rebuild.jobs import (
     RebuildQueue,
     decode_job,
     encode_job,
-    stream_names,
 )
 from transports.rebuild.results import ResultsReader, compact_record, expand_record
 from transports.rebuild.worker import RebuildWorker, WorkerSettings
+from transports.redis.keys import stream_names
 
 
 async def run_worker_in_task(url: str, prefix: str, **overrides: Any):

@@ -24,10 +24,11 @@ from tests.support.rebuild import (
     populate,
     rollout_entries,
 )
-from transports.rebuild.jobs import encode_job, stream_names
+from transports.rebuild.jobs import encode_job
 from transports.rebuild.results import SUPERSEDES_KEY, ResultsReader, decode_result
 from transports.rebuild.worker import RebuildWorker, WorkerSettings
 from transports.redis import RedisTokenStore
+from transports.redis.keys import publish_guard_key, stream_names
 
 POISON = {
     "response text": lambda rid: {"_ng_rollout_id": rid, "response": "done"},
@@ -155,7 +156,7 @@ async def test_an_existing_masked_publish_guard_keeps_the_snapshot(
         for rollout_id, value in (("guarded-1", "1-0 0"), ("legacy-1", "1-0")):
             # A masked result (or one of an older worker, which did not say) came first.
             snapshot = await store.freeze(rollout_id)
-            guard = f"{results}:published:{rollout_id}:{snapshot.snapshot_id}:{snapshot.version}"
+            guard = publish_guard_key(results, rollout_id, snapshot.snapshot_id, snapshot.version)
             await client.set(guard, value)
             guards[rollout_id] = guard
             await worker.process("9-1", encode_job(finished_record(rollout_id)))

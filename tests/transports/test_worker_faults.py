@@ -20,9 +20,10 @@ import msgpack
 import redis.asyncio as aioredis
 
 from tests.support.rebuild import assert_rebuilt, finished_record, inspect, populate
-from transports.rebuild.jobs import RebuildQueue, encode_job, stream_names
+from transports.rebuild.jobs import RebuildQueue, encode_job
 from transports.rebuild.results import ResultsReader, ensure_group
 from transports.rebuild.worker import RebuildWorker, WorkerSettings
+from transports.redis.keys import stream_names
 
 
 class WorkerProcess:

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from capture.errors import InvalidRolloutIdError
 from capture.rollout_ids import validate_rollout_id
+from transports.redis.keys import DEFAULT_PREFIX
 
 # Shown first, in this order; any other key the store reports follows.
 FIELDS = (
@@ -43,13 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--url", help="Redis URL of a Redis store (default $TOKCAP_REDIS_URL)")
     where.add_argument("--dir", help="directory of a file store")
     parser.add_argument(
-        "--key-prefix", default="tokcap", help="Redis key prefix (default %(default)s)"
+        "--key-prefix", default=DEFAULT_PREFIX, help="Redis key prefix (default %(default)s)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 async def inspect_rollout(
-    rollout_id: str, *, url: str | None = None, dir: str | None = None, key_prefix: str = "tokcap"
+    rollout_id: str,
+    *,
+    url: str | None = None,
+    dir: str | None = None,
+    key_prefix: str = DEFAULT_PREFIX,
 ) -> dict[str, Any]:
     """The store's ``inspect()`` for one rollout."""
     if dir is not None:

@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from capture.rollout_ids import rollout_id_from_run_body
-from transports.rebuild.jobs import DEFAULT_JOBS_STREAM, RebuildQueue, stream_names
+from transports.rebuild.jobs import RebuildQueue
+from transports.redis.keys import DEFAULT_PREFIX, stream_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,13 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--key-prefix",
-        default="tokcap",
+        default=DEFAULT_PREFIX,
         help="the workers' --key-prefix; the jobs stream is <prefix>:rebuild (default %(default)s)",
     )
     parser.add_argument(
         "--stream",
         default=None,
-        help=f"jobs stream, if not named by the prefix (default {DEFAULT_JOBS_STREAM})",
+        help=f"jobs stream, if not named by the prefix (default {stream_names().jobs})",
     )
 
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         print(f"tokcap submit: {args.file} holds no records", file=sys.stderr)
         return 2
-    stream = args.stream or stream_names(args.key_prefix)[0]
+    stream = args.stream or stream_names(args.key_prefix).jobs
     try:
         job_ids = asyncio.run(_submit(args.url, stream, records))
     except ValueError as exc:

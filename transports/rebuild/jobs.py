@@ -18,21 +18,13 @@ import msgpack
 import redis.asyncio as aioredis
 
 from capture.rollout_ids import rollout_id_from_run_body
-from transports.redis.keys import as_text
+from transports.redis.keys import as_text, stream_names
 
-DEFAULT_JOBS_STREAM = "tokcap:rebuild"
-DEFAULT_RESULTS_STREAM = "tokcap:results"
-DEFAULT_DEAD_STREAM = "tokcap:rebuild:dead"
 JOB_FORMAT_VERSION = 1
 
 
 class MalformedJobError(ValueError):
     """A job that can never be rebuilt, however often it is retried."""
-
-
-def stream_names(key_prefix: str = "tokcap") -> tuple[str, str, str]:
-    """(jobs, results, dead-letter) stream names for one key prefix."""
-    return f"{key_prefix}:rebuild", f"{key_prefix}:results", f"{key_prefix}:rebuild:dead"
 
 
 def encode_job(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,7 +92,7 @@ class RebuildQueue:
         *,
         url: str | None = None,
         client: aioredis.Redis | None = None,
-        stream: str = DEFAULT_JOBS_STREAM,
+        stream: str = stream_names().jobs,
     ) -> None:
         if (url is None) == (client is None):
             raise ValueError("RebuildQueue needs exactly one of url= or client=")

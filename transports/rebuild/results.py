@@ -26,8 +26,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from transports.rebuild.jobs import DEFAULT_RESULTS_STREAM
-from transports.redis.keys import as_text
+from transports.redis.keys import as_text, stream_names
 
 RESULT_ID_KEY = "_ng_result_id"
 SUPERSEDES_KEY = "_ng_supersedes"  # on a decoded record: the result id this one replaces
@@ -137,7 +136,7 @@ class ResultsReader:
         *,
         url: str | None = None,
         client: aioredis.Redis | None = None,
-        stream: str = DEFAULT_RESULTS_STREAM,
+        stream: str = stream_names().results,
         group: str = "trainer",
         consumer: str | None = None,
         block_ms: int = 1000,

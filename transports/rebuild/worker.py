@@ -43,9 +43,11 @@ from capture.delivery import (
     finalize_rollout_token_capture,
     retire_rollout_token_capture,
 )
-from transports.rebuild.jobs import MalformedJobError, decode_job, stream_names
+from capture.retention import TOMBSTONE_TTL_S
+from transports.rebuild.jobs import MalformedJobError, decode_job
 from transports.rebuild.results import SUPERSEDES_FIELD, encode_result, ensure_group
 from transports.redis import RedisTokenStore
+from transports.redis import keys as k
 from transports.redis.durability import Durability
 from transports.redis.keys import as_text
 
@@ -96,6 +98,13 @@ return {1, id .. ' ' .. ARGV[2], supersedes}
 # and supersedes the published result. Redis marks only ever mask, so two rounds settle it.
 REBUILD_ROUNDS = 3
 
+# When reading jobs fails on the connection, wait this long before trying again.
+READ_RETRY_PAUSE_S = 1.0
+# Stale jobs are looked for twice per claim_idle_ms (within these bounds), and the jobs in
+# flight are touched three times per claim_idle_ms, so a live job never looks idle that long.
+CLAIMS_PER_IDLE, MIN_CLAIM_PAUSE_S, MAX_CLAIM_PAUSE_S = 2, 0.05, 5.0
+HEARTBEATS_PER_IDLE, MIN_HEARTBEAT_PAUSE_S = 3, 0.02
+
 
 class TransientJobError(Exception):
     """A step failed in a way a later attempt may not; the job stays pending."""
@@ -117,7 +126,7 @@ class WorkerSettings:
     """Everything a worker process needs; the CLI fills it from flags."""
 
     url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "tokcap"
+    key_prefix: str = k.DEFAULT_PREFIX
     group: str = "rebuild"
     consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     concurrency: int = 4
@@ -126,14 +135,14 @@ class WorkerSettings:
     block_ms: int = 1000
     durability: str = "fsync"
     wait_timeout_ms: int = 5000
-    guard_ttl_s: int = 7 * 24 * 3600
+    guard_ttl_s: int = TOMBSTONE_TTL_S  # a re-run while the tombstone lives finds its guard
     jobs_stream: str | None = None  # default <key_prefix>:rebuild
     results_stream: str | None = None  # default <key_prefix>:results
     dead_stream: str | None = None  # default <key_prefix>:rebuild:dead
     debug_delay_after_publish_ms: int = 0  # tests only: widen the publish → retire window
 
     def __post_init__(self) -> None:
-        jobs, results, dead = stream_names(self.key_prefix)
+        jobs, results, dead = k.stream_names(self.key_prefix)
         self.jobs_stream = self.jobs_stream or jobs
         self.results_stream = self.results_stream or results
         self.dead_stream = self.dead_stream or dead
@@ -155,7 +164,7 @@ class RebuildWorker:
         )
         # Proven once, by the store, at start; the worker's publish waits the same way.
         self.durability = Durability.parse(settings.durability)
-        self.errors_key = f"{settings.jobs_stream}:errors"  # job id -> last error
+        self.errors_key = k.job_errors_key(settings.jobs_stream)
         self.counts = dict.fromkeys(
             (
                 "done",
@@ -204,7 +213,8 @@ class RebuildWorker:
 
     async def _dispatch(self) -> None:
         """Keep up to ``concurrency`` jobs in flight: stale ones first, then new ones."""
-        claim_every = min(max(self.settings.claim_idle_ms / 2000, 0.05), 5.0)
+        idle_s = self.settings.claim_idle_ms / 1000
+        claim_every = min(max(idle_s / CLAIMS_PER_IDLE, MIN_CLAIM_PAUSE_S), MAX_CLAIM_PAUSE_S)
         next_claim = 0.0
         while not self._stop.is_set():
             free = self.settings.concurrency - len(self._in_flight)
@@ -219,8 +229,8 @@ class RebuildWorker:
                 if not jobs:
                     jobs = await self._read_new(free)
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                log.warning("cannot read jobs (%s); retrying in 1 s", exc)
-                await asyncio.sleep(1.0)
+                log.warning("cannot read jobs (%s); retrying in %g s", exc, READ_RETRY_PAUSE_S)
+                await asyncio.sleep(READ_RETRY_PAUSE_S)
                 continue
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -281,8 +291,9 @@ class RebuildWorker:
     async def _heartbeat(self) -> None:
         """Reset the idle time of jobs in flight so a slow job is not taken over while alive."""
         s = self.settings
+        pause_s = max(s.claim_idle_ms / 1000 / HEARTBEATS_PER_IDLE, MIN_HEARTBEAT_PAUSE_S)
         while True:
-            await asyncio.sleep(max(s.claim_idle_ms / 3000, 0.02))
+            await asyncio.sleep(pause_s)
             ids = list(self._in_flight.values())
             if not ids:
                 continue
@@ -424,14 +435,15 @@ class RebuildWorker:
     ) -> Published:
         """XADD the result unless this snapshot version was published before."""
         s = self.settings
-        # A build without a snapshot (it failed before freeze) is named by its job instead.
-        name = f"{built.snapshot_id}:{built.version}" if built.snapshot_id else f"job:{job_id}"
-        guard = f"{s.results_stream}:published:{rollout_id}:{name}"
-        latest = f"{s.results_stream}:latest:{rollout_id}"
+        snapshot_id = built.snapshot_id or ""
+        guard = k.publish_guard_key(
+            s.results_stream, rollout_id, snapshot_id, built.version, job_id
+        )
+        latest = k.latest_result_key(s.results_stream, rollout_id)
         fields = encode_result(
             record,
             rollout_id=rollout_id,
-            snapshot_id=built.snapshot_id or "",
+            snapshot_id=snapshot_id,
             version=built.version,
             ok=bool(built.ok),
             masked=bool(built.masked),
@@ -442,7 +454,7 @@ class RebuildWorker:
         args: list[Any] = [
             s.guard_ttl_s * 1000,
             ok_flag,
-            built.snapshot_id or "",
+            snapshot_id,
             built.version,
             SUPERSEDES_FIELD,
         ]

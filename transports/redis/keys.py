@@ -1,15 +1,22 @@
-"""How a rollout is laid out in Redis: one hash per rollout, named with a Cluster hash tag.
+"""Every Redis key and stream name tokcap uses, and how a rollout is laid out in its hash.
 
-The key is ``<prefix>:{<rollout_id>}``; the braces make Redis Cluster hash only the rollout
-id, so every key of one rollout (today there is one) lives in one slot and one WATCH/MULTI
-covers it. Inside the hash, state fields have fixed names and everything per call or per
-block carries a one-letter kind prefix, so a field name alone says what it holds.
+Everything lives under one key prefix (``tokcap`` unless configured): the rollout hashes
+``<prefix>:{<rollout_id>}``, the jobs stream ``<prefix>:rebuild`` with its dead letters and
+its error notes, and the results stream ``<prefix>:results`` with the worker's publish
+guards. The braces of a rollout key make Redis Cluster hash only the rollout id, so every
+key of one rollout (today there is one) lives in one slot and one WATCH/MULTI covers it.
+Inside the hash, state fields have fixed names and everything per call or per block carries
+a one-letter kind prefix, so a field name alone says what it holds.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
+
+DEFAULT_PREFIX = "tokcap"
+
+# -- a rollout's hash -------------------------------------------------------------------
 
 # State fields: these survive a drop and form the tombstone.
 VERSION = "version"
@@ -65,6 +72,43 @@ def split_field(name: bytes) -> tuple[str, str]:
     if len(text) > 1 and text[1] == ":":
         return text[:2], text[2:]
     return "", text
+
+
+# -- the streams, and the keys the rebuild worker keeps beside them ----------------------
+
+
+class Streams(NamedTuple):
+    """The streams of one key prefix."""
+
+    jobs: str  # rebuild jobs, read by the worker pool's consumer group
+    results: str  # rebuilt records, read by the trainer
+    dead: str  # jobs that can never succeed, with their error
+
+
+def stream_names(key_prefix: str = DEFAULT_PREFIX) -> Streams:
+    """(jobs, results, dead-letter) stream names for one key prefix."""
+    return Streams(f"{key_prefix}:rebuild", f"{key_prefix}:results", f"{key_prefix}:rebuild:dead")
+
+
+def job_errors_key(jobs_stream: str) -> str:
+    """A hash: job id -> the last error of a job that is still pending."""
+    return f"{jobs_stream}:errors"
+
+
+def publish_guard_key(
+    results_stream: str, rollout_id: str, snapshot_id: str, version: int, job_id: str = ""
+) -> str:
+    """The worker's note that one snapshot version was published: ``<result id> <ok flag>``.
+
+    A build without a snapshot (it failed before freeze) is named by its job instead.
+    """
+    name = f"{snapshot_id}:{version}" if snapshot_id else f"job:{job_id}"
+    return f"{results_stream}:published:{rollout_id}:{name}"
+
+
+def latest_result_key(results_stream: str, rollout_id: str) -> str:
+    """The rollout's latest published result: ``<result id> <snapshot id> <version>``."""
+    return f"{results_stream}:latest:{rollout_id}"
 
 
 def as_text(value: Any) -> str:

@@ -34,6 +34,7 @@ from capture.errors import (
     TokenCaptureError,
 )
 from capture.records import TokenCaptureSnapshot, TokenEntry
+from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
 from transports.redis import keys as k
 from transports.redis.connections import ProvingConnections
@@ -103,10 +104,10 @@ class RedisTokenStore:
         *,
         url: str | None = None,
         client: aioredis.Redis | None = None,
-        key_prefix: str = "tokcap",
+        key_prefix: str = k.DEFAULT_PREFIX,
         durability: str = "fsync",
-        tombstone_ttl_s: float = 7 * 24 * 3600,
-        evidence_ttl_s: float | None = 30 * 24 * 3600,
+        tombstone_ttl_s: float = TOMBSTONE_TTL_S,
+        evidence_ttl_s: float | None = EVIDENCE_TTL_S,
         socket_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
         wait_timeout_ms: int = 1000,
