@@ -228,6 +228,114 @@ def _retry_groups(parents: list[int | None], calls: list[TokenEntry]) -> list[li
     return groups
 
 
+@dataclass
+class _Graph:
+    """The linked calls of one rollout, position by position (parents sort first)."""
+
+    calls: list[TokenEntry]
+    ids: list[str]
+    parents: list[int | None]
+    ambiguous: list[bool]
+    has_child: list[bool]
+    depth: list[int]  # calls from the root to here
+    generated: list[int]  # generated tokens from the root to here
+    tainted: list[bool]  # an ambiguous call on the path from the root
+    root_of: list[int]
+
+
+def _graph(calls: list[TokenEntry]) -> _Graph:
+    """Link every call to its parent, then walk forward once (a parent always sorts first)."""
+    parents, ambiguous = _link(calls)
+    size = len(calls)
+    graph = _Graph(
+        calls=calls,
+        ids=[call.model_call_id for call in calls],
+        parents=parents,
+        ambiguous=ambiguous,
+        has_child=[False] * size,
+        depth=[1] * size,
+        generated=[len(call.generation_token_ids) for call in calls],
+        tainted=list(ambiguous),
+        root_of=list(range(size)),
+    )
+    for position, parent in enumerate(parents):
+        if parent is None:
+            continue
+        graph.has_child[parent] = True
+        graph.depth[position] = graph.depth[parent] + 1
+        graph.generated[position] += graph.generated[parent]
+        graph.tainted[position] = graph.tainted[parent] or ambiguous[position]
+        graph.root_of[position] = graph.root_of[parent]
+    return graph
+
+
+def _settle_retries(graph: _Graph) -> tuple[set[int], list[tuple[str, ...]]]:
+    """(retries discarded because a sibling was extended, groups none of which was)."""
+    discarded: set[int] = set()
+    unresolved: list[tuple[str, ...]] = []
+    for group in _retry_groups(graph.parents, graph.calls):
+        if any(graph.has_child[position] for position in group):
+            discarded.update(position for position in group if not graph.has_child[position])
+        else:
+            unresolved.append(tuple(sorted(graph.ids[position] for position in group)))
+    return discarded, unresolved
+
+
+def _path_to(graph: _Graph, leaf: int | None) -> list[int]:
+    path: list[int] = []
+    while leaf is not None:
+        path.append(leaf)
+        leaf = graph.parents[leaf]
+    return path[::-1]
+
+
+def _chains(
+    graph: _Graph, leaves: list[int], roots: list[int], main_leaf: int | None
+) -> tuple[ChainInfo, ...]:
+    """Every root-to-leaf chain, by root (earliest first), then leaf id."""
+    rank = {root: order for order, root in enumerate(roots)}
+    ordered = sorted(leaves, key=lambda leaf: (rank[graph.root_of[leaf]], graph.ids[leaf]))
+    return tuple(
+        ChainInfo(
+            root=graph.ids[graph.root_of[leaf]],
+            leaf=graph.ids[leaf],
+            calls=graph.depth[leaf],
+            generated_tokens=graph.generated[leaf],
+            quarantined=graph.tainted[leaf],
+            main=leaf == main_leaf,
+        )
+        for leaf in ordered
+    )
+
+
+def _mask_reasons(
+    graph: _Graph,
+    n_entries: int,
+    unmatched: str,
+    unresolved: list[tuple[str, ...]],
+    main_path: list[int],
+) -> list[str]:
+    """Why the rollout must be masked; empty when it may be delivered."""
+    reasons = []
+    if not n_entries:
+        reasons.append("nothing recorded: the rollout has no entries")
+    elif not graph.calls:
+        reasons.append("no call generated any tokens")
+    elif unmatched:
+        reasons.append(unmatched)
+    for group in unresolved:
+        reasons.append(
+            f"unresolved retry: calls {', '.join(group)} share a prompt and none was extended"
+        )
+    for position in main_path:
+        if graph.ambiguous[position]:
+            reasons.append(
+                f"ambiguous parent on the delivered chain: call {graph.ids[position]} extends "
+                "several identical calls"
+            )
+    return reasons
+
+
 def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildResult:
     """Rebuild a rollout from a snapshot or an iterable of entries.
 
@@ -244,103 +352,39 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
     calls, unreceived = _without_unreceived(
         calls, set(getattr(entries_or_snapshot, "unreceived", ()))
     )
-    ids = [call.model_call_id for call in calls]
-    parents, ambiguous = _link(calls)
-
-    has_child = [False] * len(calls)
-    for parent in parents:
-        if parent is not None:
-            has_child[parent] = True
-    discarded: set[int] = set()
-    unresolved: list[tuple[str, ...]] = []
-    for group in _retry_groups(parents, calls):
-        if any(has_child[position] for position in group):
-            discarded.update(position for position in group if not has_child[position])
-        else:
-            unresolved.append(tuple(sorted(ids[position] for position in group)))
-
-    # One forward pass: a parent always sorts before its child (its prompt is shorter).
-    depth = [0] * len(calls)
-    generated = [0] * len(calls)
-    tainted = [False] * len(calls)
-    root_of = list(range(len(calls)))
-    for position, parent in enumerate(parents):
-        own = len(calls[position].generation_token_ids)
-        if parent is None:
-            depth[position], generated[position] = 1, own
-            tainted[position] = ambiguous[position]
-        else:
-            depth[position] = depth[parent] + 1
-            generated[position] = generated[parent] + own
-            tainted[position] = tainted[parent] or ambiguous[position]
-            root_of[position] = root_of[parent]
-
+    graph = _graph(calls)
+    ids = graph.ids
+    discarded, unresolved = _settle_retries(graph)
     kept = [position for position in range(len(calls)) if position not in discarded]
     roots = sorted(
-        (position for position in kept if parents[position] is None),
+        (position for position in kept if graph.parents[position] is None),
         key=lambda position: (calls[position].created_at, ids[position]),
     )
-    leaves = [position for position in kept if not has_child[position]]
-
-    main_leaf, main_by, unmatched = _main_leaf(calls, ids, leaves, roots, root_of, final_answer)
-    main_path: list[int] = []
-    position = main_leaf
-    while position is not None:
-        main_path.append(position)
-        position = parents[position]
-    main_path.reverse()
-
-    root_rank = {root: rank for rank, root in enumerate(roots)}
-    chains = tuple(
-        ChainInfo(
-            root=ids[root_of[leaf]],
-            leaf=ids[leaf],
-            calls=depth[leaf],
-            generated_tokens=generated[leaf],
-            quarantined=tainted[leaf],
-            main=leaf == main_leaf,
-        )
-        for leaf in sorted(leaves, key=lambda leaf: (root_rank[root_of[leaf]], ids[leaf]))
+    leaves = [position for position in kept if not graph.has_child[position]]
+    main_leaf, main_by, unmatched = _main_leaf(
+        calls, ids, leaves, roots, graph.root_of, final_answer
     )
-
-    reasons = []
-    if not entries:
-        reasons.append("nothing recorded: the rollout has no entries")
-    elif not calls:
-        reasons.append("no call generated any tokens")
-    elif unmatched:
-        reasons.append(unmatched)
-    for group in unresolved:
-        reasons.append(
-            f"unresolved retry: calls {', '.join(group)} share a prompt and none was extended"
-        )
-    for position in main_path:
-        if ambiguous[position]:
-            reasons.append(
-                f"ambiguous parent on the delivered chain: call {ids[position]} extends "
-                "several identical calls"
-            )
-
+    main_path = _path_to(graph, main_leaf)
     main_entries = tuple(calls[position] for position in main_path)
     return BuildResult(
         rollout_id=rollout_id,
         n_calls=len(entries),
         parents={
             ids[position]: (ids[parent] if parent is not None else None)
-            for position, parent in enumerate(parents)
+            for position, parent in enumerate(graph.parents)
         },
         main_chain=tuple(ids[position] for position in main_path),
         main_chain_by=main_by,
-        chains=chains,
+        chains=_chains(graph, leaves, roots, main_leaf),
         roots=tuple(ids[root] for root in roots),
-        quarantined=tuple(sorted(ids[p] for p in range(len(calls)) if ambiguous[p])),
+        quarantined=tuple(sorted(ids[p] for p in range(len(calls)) if graph.ambiguous[p])),
         empty_generation=empty,
         unreceived=unreceived,
         discarded_retries=tuple(sorted(ids[position] for position in discarded)),
         unresolved_retries=tuple(sorted(unresolved)),
         generated_tokens_captured=sum(len(e.generation_token_ids) for e in entries),
-        generated_tokens_delivered=generated[main_leaf] if main_leaf is not None else 0,
-        mask_reasons=tuple(reasons),
+        generated_tokens_delivered=graph.generated[main_leaf] if main_leaf is not None else 0,
+        mask_reasons=tuple(_mask_reasons(graph, len(entries), unmatched, unresolved, main_path)),
         output=tuple(project_chain(main_entries)),
         main_entries=main_entries,
     )
