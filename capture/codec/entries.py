@@ -10,6 +10,7 @@ count of its blocks; ``EncodedEntry.plan`` tells a store which bytes it must add
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -17,7 +18,7 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,6 +230,30 @@ def read_body(body: bytes) -> dict[str, Any]:
     return data
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Keep the collector out of a large decode, on the main thread only.
+
+    Millions of fresh list slots would trigger full collections that scan them all, for
+    nothing: these lists hold only ints and cannot form cycles. Afterwards they move
+    straight to the oldest generation (freeze, then unfreeze), so young-generation passes
+    do not walk them either. The collector is process-wide: from any other thread (a store
+    decoding in a worker thread while the event loop serves) it is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.unfreeze()
+        if collecting:
+            gc.enable()
+
+
 def decode_entries(
     bodies: Iterable[bytes], blocks: Mapping[str, bytes], *, trusted: bool = False
 ) -> list[TokenEntry]:
@@ -241,21 +266,9 @@ def decode_entries(
     order = sorted(range(len(bodies)), key=lambda i: read_body(bodies[i])["n_blocks"])
     cache: dict[Any, Any] = {}
     decoded: dict[int, TokenEntry] = {}
-    # Millions of fresh list slots would trigger full collections that scan them all, for
-    # nothing: these lists hold only ints and cannot form cycles.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with _collector_paused():
         for index in order:
             decoded[index] = decode_entry(bodies[index], blocks, cache=cache, trusted=trusted)
-    finally:
-        # Move what was just allocated straight to the oldest generation (freeze, then
-        # unfreeze): the young-generation passes would otherwise each walk every id slot of
-        # every entry, and nothing here can be cyclic garbage.
-        gc.freeze()
-        gc.unfreeze()
-        if collecting:
-            gc.enable()
     return [decoded[index] for index in range(len(bodies))]
 
 

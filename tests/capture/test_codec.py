@@ -371,3 +371,25 @@ def test_snapshot_decoding_shares_prefixes_and_keeps_order() -> None:
     assert [e.model_call_id for e in expected] == [
         decode_entry(b, table).model_call_id for b in shuffled
     ]
+
+
+def test_the_collector_is_paused_on_the_main_thread_only():
+    """gc is process-wide: a decode in a serving process's worker thread leaves it alone."""
+    import gc
+    import threading
+
+    from capture.codec.entries import _collector_paused
+
+    seen: dict[str, bool] = {}
+
+    def in_worker() -> None:
+        with _collector_paused():
+            seen["worker"] = gc.isenabled()
+
+    thread = threading.Thread(target=in_worker)
+    thread.start()
+    thread.join()
+    with _collector_paused():
+        seen["main"] = gc.isenabled()
+    assert seen == {"worker": True, "main": False}
+    assert gc.isenabled()
