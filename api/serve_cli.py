@@ -1,15 +1,18 @@
 """``tokcap serve``: run the front end with uvicorn (``python -m api.serve_cli`` works too).
 
-Settings travel to the workers through the environment (TOKCAP_CONFIG, TOKCAP_UPSTREAM), so
-each worker process builds its own app, sink and upstream client from the same config.
+uvicorn starts its worker processes from an import string, so the settings travel to them
+through the environment (TOKCAP_CONFIG, TOKCAP_UPSTREAM), set only around ``uvicorn.run``;
+each worker builds its own app, sink and upstream client from the same config.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 from api.settings import ENV_CONFIG, settings_from_environment
 from capture.errors import ConfigError
@@ -37,15 +40,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def worker_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The variables the worker processes read their settings from."""
+    exported = {}
+    if args.config:
+        exported[ENV_CONFIG] = os.path.abspath(args.config)
+    if args.upstream:
+        exported["TOKCAP_UPSTREAM"] = args.upstream
+    return exported
+
+
+@contextlib.contextmanager
+def exported(variables: dict[str, str]) -> Iterator[None]:
+    """Set ``variables`` in this process's environment for the block, then restore it."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    if args.config:
-        os.environ[ENV_CONFIG] = os.path.abspath(args.config)
-    if args.upstream:
-        os.environ["TOKCAP_UPSTREAM"] = args.upstream
+    variables = worker_environment(args)
     try:
-        settings = settings_from_environment()  # fail here, once, on a bad config
+        # Fail here, once, on a bad config.
+        settings = settings_from_environment({**os.environ, **variables})
         # Build the sink once (path, kwargs, structural checks); each worker builds its own.
         sink = settings.build_sink()
     except ConfigError as exc:
@@ -65,16 +91,17 @@ def run(args: argparse.Namespace) -> int:
         f"(capture {capture}, {args.workers} worker(s))",
         file=sys.stderr,
     )
-    uvicorn.run(
-        "api.app:create_app_from_env",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level=args.log_level,
-        loop=args.loop,
-        http=args.http,
-    )
+    with exported(variables):
+        uvicorn.run(
+            "api.app:create_app_from_env",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level=args.log_level,
+            loop=args.loop,
+            http=args.http,
+        )
     return 0
 
 

@@ -119,9 +119,10 @@ class ServerSettings:
         return replace(self, **changes) if changes else self
 
 
-def settings_from_environment() -> ServerSettings:
+def settings_from_environment(environ: Mapping[str, str] | None = None) -> ServerSettings:
     """What a uvicorn worker builds: the file named by TOKCAP_CONFIG (if any) plus overrides."""
-    path = os.environ.get(ENV_CONFIG)
+    environ = os.environ if environ is None else environ
+    path = environ.get(ENV_CONFIG)
     if path:
-        return ServerSettings.from_document(path)
-    return ServerSettings().with_environment(os.environ)
+        return ServerSettings.from_document(path, environ)
+    return ServerSettings().with_environment(environ)

@@ -364,6 +364,7 @@ class UpstreamClient:
             raise ValueError(f"vocab_size must be a positive integer or None, not {vocab_size}")
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self._served_model: str | None = None  # the upstream's first model, once asked
         self.sampling_overrides = dict(sampling_overrides or {})
         self.vocab_size = vocab_size
         self._http = httpx.AsyncClient(
@@ -426,16 +427,22 @@ class UpstreamClient:
         return [item for item in data if isinstance(item, Mapping) and item.get("id")]
 
     async def model_name(self, requested: Any) -> str:
-        """The configured model, else the upstream's first, else what the harness named."""
-        if self.model is None:
+        """The configured model, else the upstream's first, else what the harness named.
+
+        The upstream's answer is kept apart from the configured ``model``, which stays as
+        it was set.
+        """
+        if self.model is not None:
+            return self.model
+        if self._served_model is None:
             try:
                 models = await self.models()
             except UpstreamError:
                 models = []
             if models:
-                self.model = str(models[0]["id"])
-        if self.model is not None:
-            return self.model
+                self._served_model = str(models[0]["id"])
+        if self._served_model is not None:
+            return self._served_model
         return requested if isinstance(requested, str) else ""
 
     async def legacy_engine(self) -> bool:
