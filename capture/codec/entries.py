@@ -33,7 +33,6 @@ from capture.codec.blocks import (
     Writes,
     block_ids,
     cached_parent,
-    chain_names,
     cut,
     plan_writes,
     whole_block,
@@ -85,11 +84,6 @@ def pack_floats(values: Iterable[float]) -> bytes:
 
 def unpack_floats(data: bytes) -> list[float]:
     return _unpack(data, "d")
-
-
-def prompt_blocks(ids: list[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[tuple[str, bytes]]:
-    """Cut ids into (chained digest, packed ids) blocks of ``block_size`` ids."""
-    return [(block.name, block.data) for block in cut(pack_ids(ids), block_size)]
 
 
 @dataclass(frozen=True)
@@ -215,11 +209,6 @@ def encode_entry(
     return EncodedEntry(entry.model_call_id, body, tuple(chain), hasher.hexdigest(), block_size)
 
 
-def entry_digest(entry: Any, block_size: int = DEFAULT_BLOCK_SIZE) -> str:
-    """The canonical payload digest used by the idempotency check (any block size)."""
-    return encode_entry(entry, block_size).digest
-
-
 def read_body(body: bytes) -> dict[str, Any]:
     """A stored body's fields (``prompt_len``, ``generated``, ``tip``...), version-checked."""
     data = msgpack.unpackb(body, raw=False)
@@ -270,12 +259,6 @@ def decode_entries(
         for index in order:
             decoded[index] = decode_entry(bodies[index], blocks, cache=cache, trusted=trusted)
     return [decoded[index] for index in range(len(bodies))]
-
-
-def body_block_names(body: bytes, blocks: Mapping[str, bytes]) -> list[str]:
-    """The block names a stored body's chain runs through, first block first."""
-    data = read_body(body)
-    return chain_names(data["tip"], data["n_blocks"], blocks)
 
 
 def _assemble(

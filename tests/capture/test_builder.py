@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from capture.build.builder import run_builder
-from capture.build.projection import contiguity_errors, flat_ids_and_mask, is_contiguous
+from capture.build.projection import flat_ids_and_mask
 from capture.errors import ConflictingEntryError
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.summary import RolloutSummary
 from tests.support.chains import SYSTEM, chain_entries, entry, fresh, full, message
+from tests.support.contiguity import contiguity_errors, is_contiguous
 
 
 def summary_of(build) -> RolloutSummary:

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capture.build.builder import run_builder
-from capture.build.projection import is_contiguous
 from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import TokenCaptureStore
 from capture.records import TokenEntry
 from tests.support.chains import entry, full, message
+from tests.support.contiguity import is_contiguous
 
 EXTRAS = ("retry", "title", "branch", "empty", "twin", "subagent", "last-retry")
 

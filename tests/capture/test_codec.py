@@ -13,16 +13,14 @@ from capture.codec.entries import (
     CODEC_VERSION,
     DEFAULT_BLOCK_SIZE,
     ChainMemo,
-    body_block_names,
     decode_entries,
     decode_entry,
     encode_entry,
-    entry_digest,
     pack_ids,
-    prompt_blocks,
     unpack_ids,
 )
 from capture.records import TokenEntry
+from tests.support.codec import body_block_names, entry_digest, prompt_blocks
 
 B = 8  # a small block size keeps the arithmetic readable
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from capture.build.projection import flat_ids_and_mask, is_contiguous
+from capture.build.projection import flat_ids_and_mask
 from capture.delivery import (
     METRICS_KEY,
     MalformedRecordError,
@@ -22,6 +22,7 @@ from capture.errors import RolloutFrozenError, SchemaVersionError
 from capture.records import TokenCaptureSnapshot
 from capture.summary import SUMMARY_KEYS
 from tests.support.chains import chain_entries, entry, fresh, full, message
+from tests.support.contiguity import is_contiguous
 
 METRIC_KEYS = {
     "n_calls",

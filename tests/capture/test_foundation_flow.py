@@ -21,12 +21,13 @@ from capture import (
     retire_rollout_token_capture,
     rollout_id_from_run_body,
 )
-from capture.build.projection import contiguity_errors, flat_ids_and_mask
+from capture.build.projection import flat_ids_and_mask
 from capture.config import agent_opted_in, load_capture_config
 from capture.context import begin_call, capture_call, capture_tokens
 from capture.delivery import MaskFractionExceeded
 from capture.errors import RolloutFrozenError
 from capture.rollout_ids import split_capture_path
+from tests.support.contiguity import contiguity_errors
 
 SERVER = "http://127.0.0.1:8000"
 SYSTEM_AND_USER = list(range(1, 51))
