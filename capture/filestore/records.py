@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capture.codec.entries import EncodedEntry, decode_entries
+from capture.reasons import MARKED_INCOMPLETE, call_reason
 from capture.records import TokenEntry
 
 LOG_FORMAT = 2
@@ -73,7 +74,7 @@ class RolloutState:
             self.prompt_tokens_max = max(self.prompt_tokens_max, record["prompt_len"])
             self.generated_tokens += record["generated"]
         elif kind == "lost":
-            self.lost.append(record.get("reason") or f"call {call} was marked incomplete")
+            self.lost.append(record.get("reason") or call_reason(call, MARKED_INCOMPLETE))
         elif kind == "intent":
             self.intents.add(call)
         elif kind == "void":

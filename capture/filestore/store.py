@@ -32,6 +32,13 @@ from capture.errors import (
 )
 from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
 from capture.filestore.records import RolloutState, entries_from_records, head_record, put_record
+from capture.inspection import Inspection, state_name
+from capture.reasons import (
+    CONFLICTING_PAYLOAD,
+    MARKED_INCOMPLETE,
+    call_reason,
+    incomplete_reasons,
+)
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
@@ -87,7 +94,7 @@ class TokenCaptureStore:
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably note a lost call; allowed after freeze and drop (it advances the version)."""
-        await self._run(self._mark_incomplete, rollout_id, model_call_id, "")
+        await self._run(self._mark_incomplete, rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durable intent before dispatch; an intent without an entry makes a freeze incomplete."""
@@ -216,7 +223,7 @@ class TokenCaptureStore:
             if stored == encoded.digest:
                 return
             if stored is not None:
-                reason = f"call {entry.model_call_id} was put twice with different payloads"
+                reason = call_reason(entry.model_call_id, CONFLICTING_PAYLOAD)
                 self._append(
                     entry.rollout_id,
                     log,
@@ -224,17 +231,14 @@ class TokenCaptureStore:
                     [{"k": "lost", "call": entry.model_call_id, "reason": reason}],
                 )
                 raise ConflictingEntryError(
-                    f"rollout {entry.rollout_id}: {reason}; the rollout is marked incomplete"
+                    f"rollout {entry.rollout_id}: call {entry.model_call_id} was put twice with "
+                    "different payloads; the rollout is marked incomplete"
                 )
             self._append(entry.rollout_id, log, state, [put_record(entry, encoded, state)])
 
-    def _mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+    def _mark_incomplete(self, rollout_id: str, model_call_id: str) -> None:
         path = self._path(rollout_id)
-        reason = reason or (
-            f"call {model_call_id} was marked incomplete"
-            if model_call_id
-            else "the rollout was marked incomplete"
-        )
+        reason = call_reason(model_call_id, MARKED_INCOMPLETE)
         with locked_log(path, create=True, fsync=self.fsync) as log:
             assert log is not None
             state = self._load(rollout_id, log)
@@ -272,10 +276,7 @@ class TokenCaptureStore:
                 freeze = {"k": "freeze", "snapshot_id": uuid.uuid4().hex, "at": time.time()}
                 self._append(rollout_id, log, state, [freeze])
             entries = self._read_entries(log) if not state.retired else []
-        reasons = list(state.lost)
-        reasons += [f"call {call} has an intent but no entry" for call in state.pending_intents]
-        if state.retired:
-            reasons.append("the rollout was retired; its entries were dropped")
+        reasons = incomplete_reasons(state.lost, state.pending_intents, state.retired)
         return TokenCaptureSnapshot(
             rollout_id=rollout_id,
             entries=tuple(sorted(entries, key=lambda entry: entry.model_call_id)),
@@ -300,9 +301,8 @@ class TokenCaptureStore:
             if state.retired:
                 return True
             head = head_record(rollout_id)
-            lost = state.lost + [
-                f"call {c} has an intent but no entry" for c in state.pending_intents
-            ]
+            # The tombstone keeps why the snapshot was incomplete; its intents are gone.
+            lost = incomplete_reasons(state.lost, state.pending_intents, retired=False)
             tomb = {
                 "k": "tomb",
                 "snapshot_id": snapshot_id,
@@ -343,25 +343,19 @@ class TokenCaptureStore:
             state = self._load(rollout_id, log) if log is not None else None
         exists = state is not None and (state.version > 0 or state.retired)
         state = state or RolloutState()
-        if not exists:
-            status = "absent"
-        elif state.retired:
-            status = "retired"
-        else:
-            status = "frozen" if state.frozen else "open"
-        return {
-            "rollout_id": rollout_id,
-            "state": status,
-            "calls": len(state.calls),
-            "pending_intents": len(state.pending_intents),
-            "unreceived": len(state.unreceived),
-            "incomplete": state.incomplete,
-            "version": state.version,
-            "snapshot_id": state.snapshot_id,
-            "prompt_tokens_max": state.prompt_tokens_max,
-            "generated_tokens": state.generated_tokens,
-            "tombstone": state.retired,
-        }
+        return Inspection(
+            rollout_id=rollout_id,
+            state=state_name(exists=exists, frozen=state.frozen, retired=state.retired),
+            calls=len(state.calls),
+            pending_intents=len(state.pending_intents),
+            unreceived=len(state.unreceived),
+            prompt_tokens_max=state.prompt_tokens_max,
+            generated_tokens=state.generated_tokens,
+            version=state.version,
+            snapshot_id=state.snapshot_id,
+            incomplete=state.incomplete,
+            tombstone=state.retired,
+        ).as_dict()
 
     def _rollout_ids(self) -> list[str]:
         names = []

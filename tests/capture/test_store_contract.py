@@ -129,6 +129,26 @@ async def test_intent_without_entry_makes_the_snapshot_incomplete(store, make_en
     assert [e.model_call_id for e in snapshot.entries] == ["c-2"]
 
 
+async def test_every_store_gives_its_reasons_in_the_same_words(store, make_entry):
+    await store.put(make_entry("why", "c-1", generation=[1, 2]))
+    with pytest.raises(ConflictingEntryError):
+        await store.put(make_entry("why", "c-1", generation=[1, 3]))
+    await store.mark_incomplete("why", "c-2")
+    await store.mark_incomplete("why")
+    await store.begin_call("why", "c-3")
+    snapshot = await store.freeze("why")
+    # The order of marked losses is the store's own; the words are shared.
+    assert sorted(snapshot.incomplete_reasons) == [
+        "call (rollout): marked incomplete",
+        "call c-1: conflicting payload",
+        "call c-2: marked incomplete",
+        "call c-3: intent without entry",
+    ]
+    await store.drop("why", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+    retired = await store.freeze("why")
+    assert retired.incomplete_reasons[-1] == "rollout retired: its entries were dropped"
+
+
 async def test_intent_resolved_by_its_entry_or_by_void(store, make_entry):
     await store.begin_call("resolved", "c-1")
     await store.put(make_entry("resolved", "c-1"))

@@ -1,7 +1,7 @@
 """``tokcap inspect <rollout_id>``: what is captured for one rollout, from Redis or a directory.
 
-Read-only: it shows the store's ``inspect()`` (calls, tokens, state, version, incomplete,
-tombstone) and changes nothing.
+Read-only: it shows the store's ``inspect()`` (``capture.inspection.Inspection``: calls,
+tokens, state, version, incomplete, tombstone) and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,21 +21,6 @@ from rich.table import Table
 from capture.errors import InvalidRolloutIdError
 from capture.rollout_ids import validate_rollout_id
 from transports.redis.keys import DEFAULT_PREFIX
-
-# Shown first, in this order; any other key the store reports follows.
-FIELDS = (
-    "rollout_id",
-    "state",
-    "calls",
-    "pending_intents",
-    "unreceived",
-    "prompt_tokens_max",
-    "generated_tokens",
-    "version",
-    "snapshot_id",
-    "incomplete",
-    "tombstone",
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,9 +73,8 @@ def render(info: dict[str, Any], console: Console) -> None:
     table = Table(title=f"rollout {info.get('rollout_id', '')}", show_header=True)
     table.add_column("field", style="bold")
     table.add_column("value")
-    for name in (*FIELDS, *sorted(set(info) - set(FIELDS))):
-        if name in info:
-            table.add_row(name, _cell(info[name]))
+    for name, value in info.items():  # in the order of capture.inspection.Inspection
+        table.add_row(name, _cell(value))
     console.print(table)
 
 

@@ -8,9 +8,9 @@ cache per snapshot.
 
 from __future__ import annotations
 
-from typing import Any
-
 from capture.codec.entries import decode_entries, read_body
+from capture.inspection import Inspection, state_name
+from capture.reasons import call_reason, incomplete_reasons
 from capture.records import TokenCaptureSnapshot
 from transports.redis import keys as k
 
@@ -47,15 +47,10 @@ def snapshot_of(
     bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
     calls = sorted(bodies)
     entries = tuple(decode_entries([bodies[c] for c in calls], blocks, trusted=True))
-    reasons = [
-        f"call {call_id or '(rollout)'}: {reason.decode()}"
-        for call_id, reason in sorted(kinds[k.MARK].items())
-    ]
+    lost = [call_reason(call_id, what.decode()) for call_id, what in sorted(kinds[k.MARK].items())]
     pending = _pending(kinds)
-    reasons += [f"call {call_id}: intent without entry" for call_id in pending]
-    retired = _flag(fields, k.RETIRED)
-    if retired:  # its entries are gone, so it can no longer be rebuilt
-        reasons.append("rollout retired: its entries were dropped")
+    retired = _flag(fields, k.RETIRED)  # its entries are gone, so it can no longer be rebuilt
+    reasons = incomplete_reasons(lost, pending, retired)
     return TokenCaptureSnapshot(
         rollout_id=rollout_id,
         entries=entries,
@@ -67,35 +62,26 @@ def snapshot_of(
     )
 
 
-def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> dict[str, Any]:
+def summary_of(rollout_id: str, fields: dict[bytes, bytes]) -> Inspection:
     kinds = split(fields)
     bodies = kinds[k.ENTRY]
-    pending = _pending(kinds)
     prompt_max, generated = 0, 0
     for body in bodies.values():
         data = read_body(body)
         prompt_max = max(prompt_max, data["prompt_len"])
         generated += data["generated"]
     retired = _flag(fields, k.RETIRED)
-    if not fields:
-        state = "absent"
-    elif retired:
-        state = "retired"
-    elif _flag(fields, k.FROZEN):
-        state = "frozen"
-    else:
-        state = "open"
     snapshot_id = fields.get(k.SNAPSHOT_ID.encode())
-    return {
-        "rollout_id": rollout_id,
-        "state": state,
-        "calls": len(bodies),
-        "pending_intents": len(pending),
-        "unreceived": len(kinds[k.UNRECEIVED]),
-        "incomplete": _flag(fields, k.INCOMPLETE),  # marked lost; pending intents aside
-        "version": int(fields.get(k.VERSION.encode()) or 0),
-        "snapshot_id": snapshot_id.decode() if snapshot_id else "",
-        "prompt_tokens_max": prompt_max,
-        "generated_tokens": generated,
-        "tombstone": retired,
-    }
+    return Inspection(
+        rollout_id=rollout_id,
+        state=state_name(exists=bool(fields), frozen=_flag(fields, k.FROZEN), retired=retired),
+        calls=len(bodies),
+        pending_intents=len(_pending(kinds)),
+        unreceived=len(kinds[k.UNRECEIVED]),
+        prompt_tokens_max=prompt_max,
+        generated_tokens=generated,
+        version=int(fields.get(k.VERSION.encode()) or 0),
+        snapshot_id=snapshot_id.decode() if snapshot_id else "",
+        incomplete=_flag(fields, k.INCOMPLETE),  # marked lost; pending intents aside
+        tombstone=retired,
+    )

@@ -33,6 +33,7 @@ from capture.errors import (
     RolloutFrozenError,
     TokenCaptureError,
 )
+from capture.reasons import CONFLICTING_PAYLOAD, MARKED_INCOMPLETE
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
@@ -348,7 +349,7 @@ class RedisTokenStore:
                             k.INCOMPLETE,
                             1,
                             mark,
-                            "conflicting payload",
+                            CONFLICTING_PAYLOAD,
                             k.VERSION,
                             _int(version) + 1,
                         )
@@ -402,7 +403,7 @@ class RedisTokenStore:
                         k.INCOMPLETE,
                         1,
                         mark,
-                        "marked incomplete",
+                        MARKED_INCOMPLETE,
                         k.VERSION,
                         _int(version) + 1,
                     )
@@ -572,7 +573,7 @@ class RedisTokenStore:
         fields = _pairs(
             await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
         )
-        return summary_of(rollout_id, fields)
+        return summary_of(rollout_id, fields).as_dict()
 
 
 RedisTokenSink = RedisTokenStore
