@@ -55,27 +55,10 @@ class Dialect:
 
 
 DIALECTS = {
-    "anthropic": Dialect(
-        "anthropic",
-        anthropic.to_chat,
-        anthropic.reply,
-        lambda reply, body: sse.anthropic_events(reply),
-        anthropic.error_body,
-    ),
-    "chat": Dialect(
-        "chat",
-        chat.to_chat,
-        chat.reply,
-        lambda reply, body: sse.chat_chunks(reply, chat.include_usage(body)),
-        chat.error_body,
-    ),
-    "responses": Dialect(
-        "responses",
-        responses.to_chat,
-        responses.reply,
-        lambda reply, body: sse.responses_events(reply),
-        responses.error_body,
-    ),
+    module.NAME: Dialect(
+        module.NAME, module.to_chat, module.reply, module.stream, module.error_body
+    )
+    for module in (anthropic, chat, responses)
 }
 
 

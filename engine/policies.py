@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from .template import content_text
+from .template import rendered_text
 
 DEFAULT_SCRIPT_PATH = Path(__file__).resolve().parent / "assets" / "default_script.yaml"
 
@@ -64,7 +64,7 @@ class Conversation:
 
     @property
     def last_text(self) -> str:
-        return content_text(self.messages[-1].get("content")) if self.messages else ""
+        return rendered_text(self.messages[-1].get("content")) if self.messages else ""
 
     @property
     def tool_names(self) -> list[str]:

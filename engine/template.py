@@ -59,8 +59,12 @@ _THINK_IN_CONTENT = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _TEMPLATE = jinja2.Environment(autoescape=False, keep_trailing_newline=True).from_string(CHATML)
 
 
-def content_text(content: Any) -> str:
-    """Message content as one string: a string, or the text of a list of parts."""
+def rendered_text(content: Any) -> str:
+    """What the template renders of a content: a string, or every part's text, joined.
+
+    Unlike ``capture.build.projection.content_text`` it keeps parts of any type (the
+    engine renders what it is sent) and turns other values into strings.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
@@ -98,8 +102,8 @@ def tools_block(tools: list[dict] | None) -> str:
 
 def normalize_message(message: dict, *, think_strip: bool) -> dict:
     role = str(message.get("role") or "user")
-    content = content_text(message.get("content"))
-    reasoning = content_text(message.get("reasoning_content") or message.get("reasoning"))
+    content = rendered_text(message.get("content"))
+    reasoning = rendered_text(message.get("reasoning_content") or message.get("reasoning"))
     calls = []
     if role == "assistant":
         if think_strip:

@@ -10,7 +10,9 @@ this module does not know are ignored: they change nothing the policy sees.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import json
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from api.dialects.common import (
@@ -26,7 +28,10 @@ from api.dialects.common import (
     require_text,
     tool_call,
 )
+from api.sse import event
 from api.types import CapturedCall
+
+NAME = "anthropic"
 
 STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
 ERROR_TYPES = {
@@ -275,3 +280,56 @@ def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
 def error_body(status: int, message: str) -> dict[str, Any]:
     error_type = ERROR_TYPES.get(status, "api_error")
     return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+# The stream ---------------------------------------------------------------------------
+
+
+def _block_start(block: Mapping[str, Any]) -> dict[str, Any]:
+    if block["type"] == "tool_use":
+        return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+    if block["type"] == "thinking":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "text", "text": ""}
+
+
+def _block_delta(block: Mapping[str, Any]) -> dict[str, Any] | None:
+    if block["type"] == "tool_use":
+        return {
+            "type": "input_json_delta",
+            "partial_json": json.dumps(block["input"], ensure_ascii=False),
+        }
+    if block["type"] == "thinking":
+        return (
+            {"type": "thinking_delta", "thinking": block["thinking"]} if block["thinking"] else None
+        )
+    return {"type": "text_delta", "text": block["text"]} if block["text"] else None
+
+
+def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
+    """message_start, one start/delta/stop per content block, message_delta, message_stop."""
+    start = copy.deepcopy(dict(reply))
+    start.update(content=[], stop_reason=None, stop_sequence=None)
+    start["usage"] = {**reply["usage"], "output_tokens": 0}
+    yield event("message_start", {"type": "message_start", "message": start})
+    for index, block in enumerate(reply["content"]):
+        yield event(
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": _block_start(block)},
+        )
+        delta = _block_delta(block)
+        if delta is not None:
+            yield event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
+            )
+        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+    yield event(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reply["stop_reason"], "stop_sequence": reply["stop_sequence"]},
+            "usage": {"output_tokens": reply["usage"]["output_tokens"]},
+        },
+    )
+    yield event("message_stop", {"type": "message_stop"})

@@ -9,11 +9,21 @@ message only: no log-probs and no token ids reach the harness.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from api.dialects.common import RequestError, new_id, number, require_list, require_mapping
+from api.dialects.common import (
+    RequestError,
+    new_id,
+    number,
+    openai_error_body,
+    require_list,
+    require_mapping,
+)
+from api.sse import event
 from api.types import CapturedCall
+
+NAME = "chat"
 
 # Request fields forwarded upstream as sent (sampling and rendering, not capture).
 PASSED = (
@@ -139,6 +149,40 @@ def include_usage(body: Mapping[str, Any]) -> bool:
     return isinstance(options, Mapping) and bool(options.get("include_usage"))
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+error_body = openai_error_body
+
+
+def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
+    """A role chunk, reasoning, content, one chunk per tool call, the finish, then [DONE]."""
+    with_usage = include_usage(body)
+    base = {
+        "id": reply["id"],
+        "object": "chat.completion.chunk",
+        "created": reply["created"],
+        "model": reply["model"],
+    }
+    choice = reply["choices"][0]
+    message = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        chunk_body = {
+            **base,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
+        if with_usage:
+            chunk_body["usage"] = None
+        return event(None, chunk_body)
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("reasoning_content"):
+        yield chunk({"reasoning_content": message["reasoning_content"]})
+    if message.get("content"):
+        yield chunk({"content": message["content"]})
+    for index, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": index, **call}]})
+    yield chunk({}, choice["finish_reason"])
+    if with_usage:
+        yield event(None, {**base, "choices": [], "usage": reply["usage"]})
+    yield event(None, "[DONE]")

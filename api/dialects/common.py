@@ -7,6 +7,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from capture.build.projection import arguments_text
+
 
 class RequestError(ValueError):
     """The harness sent a request this dialect cannot translate; answered with a 400."""
@@ -50,13 +52,6 @@ def joined_text(content: Any, where: str, text_types: tuple[str, ...] = ("text",
         if block.get("type") in text_types:
             parts.append(require_text(block.get("text", ""), f"{where}[{index}].text"))
     return "\n".join(parts)
-
-
-def arguments_text(value: Any) -> str:
-    """Tool-call arguments as the JSON text the chat template renders."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value if value is not None else {}, ensure_ascii=False)
 
 
 def arguments_object(arguments: Any) -> dict[str, Any]:
@@ -135,3 +130,9 @@ def chat_request(
         if number(body, key) is not None:
             request[key] = body[key]
     return request
+
+
+def openai_error_body(status: int, message: str) -> dict[str, Any]:
+    """The error body of OpenAI's APIs (Chat Completions and Responses alike)."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

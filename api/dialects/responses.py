@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from api.dialects.common import (
@@ -20,12 +20,16 @@ from api.dialects.common import (
     chat_request,
     joined_text,
     new_id,
+    openai_error_body,
     require_list,
     require_mapping,
     require_text,
     tool_call,
 )
+from api.sse import event
 from api.types import CapturedCall
+
+NAME = "responses"
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = {"user": "user", "system": "system", "developer": "system"}
@@ -192,6 +196,63 @@ def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+error_body = openai_error_body
+
+
+def _item_added(item: Mapping[str, Any]) -> dict[str, Any]:
+    added = copy.deepcopy(dict(item))
+    if item["type"] in ("message", "reasoning"):
+        added["content"] = []
+    if item["type"] == "function_call":
+        added["arguments"] = ""
+    if "status" in added:
+        added["status"] = "in_progress"
+    return added
+
+
+def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
+    """response.created ... one item at a time ... response.completed (or .incomplete)."""
+    for sequence, (kind, fields) in enumerate(_events(reply)):
+        yield event(kind, {"type": kind, "sequence_number": sequence, **fields})
+
+
+def _emit(kind: str, /, **fields: Any) -> tuple[str, dict[str, Any]]:
+    return kind, fields
+
+
+def _events(reply: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The events of a finished reply, in order, unnumbered."""
+    opening = {**copy.deepcopy(dict(reply)), "status": "in_progress", "output": [], "usage": None}
+    yield _emit("response.created", response=opening)
+    yield _emit("response.in_progress", response=opening)
+    for index, item in enumerate(reply["output"]):
+        ids = {"item_id": item["id"], "output_index": index}
+        yield _emit("response.output_item.added", output_index=index, item=_item_added(item))
+        if item["type"] == "message":
+            for part_index, part in enumerate(item["content"]):
+                at = {**ids, "content_index": part_index}
+                empty = {**part, "text": ""}
+                yield _emit("response.content_part.added", **at, part=empty)
+                if part["text"]:
+                    yield _emit("response.output_text.delta", **at, delta=part["text"], logprobs=[])
+                yield _emit("response.output_text.done", **at, text=part["text"], logprobs=[])
+                yield _emit("response.content_part.done", **at, part=part)
+        elif item["type"] == "reasoning":
+            for part_index, part in enumerate(item["content"]):
+                at = {**ids, "content_index": part_index}
+                yield _emit("response.reasoning_text.delta", **at, delta=part["text"])
+                yield _emit("response.reasoning_text.done", **at, text=part["text"])
+        elif item["type"] == "function_call":
+            if item["arguments"]:
+                yield _emit(
+                    "response.function_call_arguments.delta", **ids, delta=item["arguments"]
+                )
+            yield _emit(
+                "response.function_call_arguments.done",
+                **ids,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        yield _emit("response.output_item.done", output_index=index, item=item)
+    final = "response.completed" if reply["status"] == "completed" else "response.incomplete"
+    yield _emit(final, response=reply)

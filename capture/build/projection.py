@@ -39,10 +39,12 @@ def content_text(content: Any) -> str:
     return "".join(texts)
 
 
-def _arguments(value: Any) -> str:
+def arguments_text(value: Any) -> str:
+    """Tool-call arguments as JSON text (a string is kept as it is): the one conversion the
+    front end's dialects and the projection share."""
     if isinstance(value, str):
         return value
-    return json.dumps(value if value is not None else {}, separators=(",", ":"))
+    return json.dumps(value if value is not None else {}, ensure_ascii=False)
 
 
 def is_chat_message(item: Any) -> bool:
@@ -85,7 +87,7 @@ def chat_message_to_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "type": "function_call",
                 "call_id": str(call.get("id") or ""),
                 "name": str(function.get("name") or ""),
-                "arguments": _arguments(function.get("arguments")),
+                "arguments": arguments_text(function.get("arguments")),
                 "status": "completed",
             }
         )

@@ -11,7 +11,6 @@ import json
 
 import pytest
 
-from api import sse
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
 from tests.support.frontend import sse_events
@@ -223,7 +222,7 @@ def test_anthropic_stream_replays_the_reply_block_by_block() -> None:
         "stop_sequence": None,
         "usage": {"input_tokens": 7, "output_tokens": 5},
     }
-    events = sse_events(b"".join(sse.anthropic_events(reply)).decode())
+    events = sse_events(b"".join(anthropic.stream(reply, {})).decode())
     assert [name for name, _ in events] == [
         "message_start",
         "content_block_start",
