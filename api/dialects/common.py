@@ -7,8 +7,6 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from capture.build.projection import arguments_text
-
 
 class RequestError(ValueError):
     """The harness sent a request this dialect cannot translate; answered with a 400."""
@@ -52,6 +50,13 @@ def joined_text(content: Any, where: str, text_types: tuple[str, ...] = ("text",
         if block.get("type") in text_types:
             parts.append(require_text(block.get("text", ""), f"{where}[{index}].text"))
     return "\n".join(parts)
+
+
+def arguments_text(value: Any) -> str:
+    """Tool-call arguments as the JSON text the chat template renders."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value if value is not None else {}, ensure_ascii=False)
 
 
 def arguments_object(arguments: Any) -> dict[str, Any]:

@@ -39,12 +39,12 @@ def content_text(content: Any) -> str:
     return "".join(texts)
 
 
-def arguments_text(value: Any) -> str:
-    """Tool-call arguments as JSON text (a string is kept as it is): the one conversion the
-    front end's dialects and the projection share."""
+def _arguments(value: Any) -> str:
+    # Compact, as the rebuilt items have always carried them (a dialect's own JSON text,
+    # api.dialects.common.arguments_text, is what the harness was served).
     if isinstance(value, str):
         return value
-    return json.dumps(value if value is not None else {}, ensure_ascii=False)
+    return json.dumps(value if value is not None else {}, separators=(",", ":"))
 
 
 def is_chat_message(item: Any) -> bool:
@@ -87,7 +87,7 @@ def chat_message_to_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "type": "function_call",
                 "call_id": str(call.get("id") or ""),
                 "name": str(function.get("name") or ""),
-                "arguments": arguments_text(function.get("arguments")),
+                "arguments": _arguments(function.get("arguments")),
                 "status": "completed",
             }
         )
