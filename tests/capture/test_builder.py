@@ -1,4 +1,4 @@
-"""The rebuild (DESIGN §4) and its projection onto Responses items, rule by rule."""
+"""The rebuild (prefix merging) and its projection onto Responses items, rule by rule."""
 
 from __future__ import annotations
 

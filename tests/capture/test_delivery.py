@@ -1,4 +1,4 @@
-"""Finalize, retire and the mask guard (DESIGN §3), through every real store."""
+"""Finalize, retire and the mask guard, through every real store."""
 
 from __future__ import annotations
 
