@@ -108,17 +108,28 @@ async def check_durability(
         )
         return chosen
     if chosen.mode == "replicas":
-        info = _info(await execute("INFO", "replication"))
-        connected = int(info.get("connected_slaves", "0"))
-        if info.get("role") != "master" or connected < chosen.replicas:
-            raise ConfigError(
-                f"durability='replicas:{chosen.replicas}' but {where} is a "
-                f"{info.get('role', 'unknown')} with {connected} connected replicas; attach "
-                f"at least {chosen.replicas} replicas, or choose durability='fsync'"
-            )
-        wait = (("WAIT", chosen.replicas, wait_timeout_ms),)
-        return Durability("replicas", chosen.replicas, wait, f"WAIT {chosen.replicas}")
+        return await _prove_replicas(execute, chosen.replicas, where, wait_timeout_ms)
+    return await _prove_fsync(execute, where, wait_timeout_ms)
 
+
+async def _prove_replicas(
+    execute: Execute, replicas: int, where: str, wait_timeout_ms: int
+) -> Durability:
+    """A primary with enough connected replicas; every write then waits for them."""
+    info = _info(await execute("INFO", "replication"))
+    connected = int(info.get("connected_slaves", "0"))
+    if info.get("role") != "master" or connected < replicas:
+        raise ConfigError(
+            f"durability='replicas:{replicas}' but {where} is a "
+            f"{info.get('role', 'unknown')} with {connected} connected replicas; attach "
+            f"at least {replicas} replicas, or choose durability='fsync'"
+        )
+    wait = (("WAIT", replicas, wait_timeout_ms),)
+    return Durability("replicas", replicas, wait, f"WAIT {replicas}")
+
+
+async def _prove_fsync(execute: Execute, where: str, wait_timeout_ms: int) -> Durability:
+    """AOF with appendfsync always, or AOF on a server whose writes can wait with WAITAOF."""
     server = _info(await execute("INFO", "server"))
     has_waitaof = _version(server) >= _WAITAOF_SINCE
     waitaof = Durability("fsync", 0, (("WAITAOF", 1, 0, wait_timeout_ms),), "WAITAOF 1 0")

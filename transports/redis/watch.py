@@ -1,7 +1,7 @@
 """Optimistic transactions on one Redis connection: WATCH, read, MULTI ... EXEC, then wait.
 
 The pattern is arq's ``enqueue_job``: watch the key, read what decides, queue the writes in
-MULTI, and treat a nil EXEC as "lost the race". It runs on one connection taken from the
+MULTI, and treat a nil EXEC as "lost the race" (``attempt``, below). It runs on one connection taken from the
 pool rather than through a pipeline object for two reasons: ``WAIT``/``WAITAOF`` count the
 writes of the connection that issues them, so the durability wait must follow EXEC on that
 same connection; and WATCH plus the reads, and EXEC plus the wait, can each travel as one
@@ -10,13 +10,14 @@ round trip. A connection that saw any error is closed, never handed back half-re
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from redis.asyncio.connection import ConnectionPool
 
-Command = Sequence[Any]
+from transports.redis.durability import Durability
+from transports.redis.plans import Command, Operation, Plan
 
 
 class Watch:
@@ -91,3 +92,25 @@ async def watching(pool: ConnectionPool, key: str) -> AsyncIterator[Watch]:
         raise
     finally:
         await pool.release(connection)
+
+
+async def attempt(
+    pool: ConnectionPool, key: str, operation: Operation, durability: Callable[[], Durability]
+) -> Plan | None:
+    """Run ``operation`` once as a transaction on ``key``; None when it lost the race.
+
+    ``durability`` gives the guarantee to wait for, asked only once the connection is
+    taken: a connection that opened for this attempt has just proven its server's own.
+    """
+    async with watching(pool, key) as watch:
+        plan = operation.decide(key, await watch.read(*operation.reads(key)))
+        if not plan.writes:
+            return plan
+        proven = durability()
+        committed = await watch.commit(plan.writes, after=proven.wait)
+    if committed is None:
+        # Lost the race: another writer changed this rollout after our WATCH, so what we
+        # decided on is stale. Nothing was applied; the caller reads and decides again.
+        return None
+    proven.verify(committed[1])
+    return plan
