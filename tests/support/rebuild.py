@@ -1,11 +1,21 @@
-"""Rollouts written straight into a Redis store, and the checks of their rebuilt records."""
+"""Rollouts written straight into a Redis store, the checks of their rebuilt records, and a
+rebuild worker that pauses between publish and retire.
+
+``python -m tests.support.rebuild --delay-after-publish-ms N <tokcap worker flags>`` runs
+that slow worker as a process, for tests that kill or stop a worker inside the window.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import sys
 from typing import Any
 
 from capture.records import TokenEntry
 from tests.support.rollouts import growing_rollout
+from transports.cli import worker as worker_cli
+from transports.rebuild.worker import Published, RebuildWorker, WorkerSettings
 from transports.redis import RedisTokenStore
 
 
@@ -75,3 +85,30 @@ def assert_rebuilt(record: dict[str, Any], turns: int) -> None:
     assert last["prompt_token_ids"] == expected.prompt_token_ids
     assert last["generation_token_ids"] == expected.generation_token_ids
     assert last["generation_log_probs"] == expected.generation_log_probs
+
+
+class SlowRetireWorker(RebuildWorker):
+    """A worker that waits after each publish, so a test can act before the retire."""
+
+    def __init__(self, settings: WorkerSettings, delay_after_publish_s: float) -> None:
+        super().__init__(settings)
+        self.delay_after_publish_s = delay_after_publish_s
+
+    async def _publish(self, *args: Any) -> Published:
+        published = await super()._publish(*args)
+        await asyncio.sleep(self.delay_after_publish_s)
+        return published
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tokcap worker`` with a ``SlowRetireWorker``; its other flags are the real CLI's."""
+    parser = argparse.ArgumentParser(prog="slow rebuild worker")
+    worker_cli.add_arguments(parser)
+    parser.add_argument("--delay-after-publish-ms", type=int, required=True)
+    args = parser.parse_args(argv)
+    delay_s = args.delay_after_publish_ms / 1000
+    return worker_cli.run(args, lambda settings: SlowRetireWorker(settings, delay_s))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from capture.delivery import RolloutBuild
 from tests.support.rebuild import (
+    SlowRetireWorker,
     assert_rebuilt,
     finished_record,
     inspect,
@@ -55,9 +56,15 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], what: str, timeout:
         await asyncio.sleep(0.02)
 
 
-def make_worker(url: str, prefix: str, **overrides: Any) -> RebuildWorker:
-    settings = dict(claim_idle_ms=60_000, block_ms=50, consumer="evidence", concurrency=1)
-    return RebuildWorker(WorkerSettings(url=url, key_prefix=prefix, **{**settings, **overrides}))
+def make_worker(
+    url: str, prefix: str, delay_after_publish_s: float = 0, **overrides: Any
+) -> RebuildWorker:
+    """A worker of one task; with a delay, one that waits between publish and retire."""
+    options = dict(claim_idle_ms=60_000, block_ms=50, consumer="evidence", concurrency=1)
+    settings = WorkerSettings(url=url, key_prefix=prefix, **{**options, **overrides})
+    if delay_after_publish_s:
+        return SlowRetireWorker(settings, delay_after_publish_s)
+    return RebuildWorker(settings)
 
 
 async def results_of(client: aioredis.Redis, results: str) -> list[dict[str, Any]]:
@@ -182,7 +189,7 @@ async def test_a_late_loss_after_publish_is_superseded_by_a_masked_result(
     _, results, _ = stream_names(redis_prefix)
     store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
-    worker = make_worker(redis_url, redis_prefix, debug_delay_after_publish_ms=1500)
+    worker = make_worker(redis_url, redis_prefix, delay_after_publish_s=1.5)
     await worker.start()
     try:
         job = asyncio.create_task(worker.process("5-1", encode_job(finished_record("late-1"))))
@@ -231,7 +238,7 @@ async def test_a_rerun_after_a_crash_still_links_the_superseded_result(
     _, results, _ = stream_names(redis_prefix)
     store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
     client = aioredis.Redis.from_url(redis_url)
-    dying = make_worker(redis_url, redis_prefix, debug_delay_after_publish_ms=60_000)
+    dying = make_worker(redis_url, redis_prefix, delay_after_publish_s=60)
     second = make_worker(redis_url, redis_prefix, consumer="second")
     await dying.start()
     await second.start()

@@ -27,16 +27,32 @@ from transports.redis.keys import stream_names
 
 
 class WorkerProcess:
-    """One worker process with its log in a file (a pipe nobody reads could block it)."""
+    """One worker process with its log in a file (a pipe nobody reads could block it).
 
-    def __init__(self, url: str, prefix: str, log_dir: Path, name: str, *flags: str) -> None:
+    With ``delay_after_publish_ms`` it is the slow worker of ``tests.support.rebuild``,
+    which waits that long between publish and retire.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        log_dir: Path,
+        name: str,
+        *flags: str,
+        delay_after_publish_ms: int = 0,
+    ) -> None:
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        module = ["transports.cli.worker"]
+        if delay_after_publish_ms:
+            delay = str(delay_after_publish_ms)
+            module = ["tests.support.rebuild", "--delay-after-publish-ms", delay]
         self.proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "transports.cli.worker",
+                *module,
                 "--url",
                 url,
                 "--key-prefix",
@@ -91,8 +107,7 @@ async def test_killed_worker_job_is_reclaimed_published_once_retired_after(
         "first",
         "--claim-idle-ms",
         "400",
-        "--debug-delay-after-publish-ms",
-        "60000",
+        delay_after_publish_ms=60_000,
     )
     second = None
     try:
@@ -257,8 +272,7 @@ async def test_sigterm_finishes_jobs_in_flight_then_exits(
         "term",
         "--concurrency",
         "4",
-        "--debug-delay-after-publish-ms",
-        "4000",
+        delay_after_publish_ms=4000,
     )
     try:
         async with RebuildQueue(url=redis_url, stream=jobs) as queue:

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 
-from transports.rebuild.worker import WorkerSettings, run_worker
+from transports.rebuild.worker import RebuildWorker, WorkerSettings, run_worker
 
 DEFAULT_URL = os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -69,9 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
-    parser.add_argument(
-        "--debug-delay-after-publish-ms", type=int, default=0, help=argparse.SUPPRESS
-    )  # tests only: widen the publish → retire window
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -85,12 +83,15 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         max_attempts=args.max_attempts,
         block_ms=args.block_ms,
         durability=args.durability,
-        debug_delay_after_publish_ms=args.debug_delay_after_publish_ms,
         **extra,
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(
+    args: argparse.Namespace,
+    worker_type: Callable[[WorkerSettings], RebuildWorker] = RebuildWorker,
+) -> int:
+    """Run a worker from parsed flags; ``worker_type`` is for tests (see ``run_worker``)."""
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         settings.concurrency,
     )
     try:
-        counts = asyncio.run(run_worker(settings))
+        counts = asyncio.run(run_worker(settings, worker_type))
     except Exception as exc:  # startup errors (durability, unreachable Redis) end the process
         print(f"tokcap worker: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

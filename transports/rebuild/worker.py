@@ -29,7 +29,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,7 +139,6 @@ class WorkerSettings:
     jobs_stream: str | None = None  # default <key_prefix>:rebuild
     results_stream: str | None = None  # default <key_prefix>:results
     dead_stream: str | None = None  # default <key_prefix>:rebuild:dead
-    debug_delay_after_publish_ms: int = 0  # tests only: widen the publish → retire window
 
     def __post_init__(self) -> None:
         jobs, results, dead = k.stream_names(self.key_prefix)
@@ -373,11 +372,8 @@ class RebuildWorker:
         self, job_id: str, rollout_id: str, built: RolloutBuild, published: Published
     ) -> bool:
         """Retire what may be retired; False when the rollout must be rebuilt again."""
-        s = self.settings
         self.counts["published"] += int(published.fresh)
         self.counts["superseded"] += int(published.fresh and bool(published.supersedes))
-        if s.debug_delay_after_publish_ms:
-            await asyncio.sleep(s.debug_delay_after_publish_ms / 1000)
         if published.stale:
             log.warning(
                 "rollout %s: a newer version than v%s was already published (%s); rebuilding",
@@ -510,9 +506,15 @@ def _published(reply: list[Any]) -> Published:
     )
 
 
-async def run_worker(settings: WorkerSettings) -> dict[str, int]:
-    """Run one worker until SIGTERM or SIGINT; returns its counters."""
-    worker = RebuildWorker(settings)
+async def run_worker(
+    settings: WorkerSettings,
+    worker_type: Callable[[WorkerSettings], RebuildWorker] = RebuildWorker,
+) -> dict[str, int]:
+    """Run one worker until SIGTERM or SIGINT; returns its counters.
+
+    ``worker_type`` builds the worker; tests pass a subclass that widens a window.
+    """
+    worker = worker_type(settings)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, worker.stop)
