@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from typing import Any
@@ -24,6 +25,7 @@ from tests.support.rebuild import (
     populate,
     rollout_entries,
 )
+from transports.cli.inspect import inspect_rollout
 from transports.rebuild.jobs import (
     MalformedJobError,
     RebuildQueue,
@@ -224,6 +226,7 @@ async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tm
     )
     assert shown.returncode == 0, shown.stderr
     assert "open" in shown.stdout and "generated_tokens" in shown.stdout
+    assert "durability" not in shown.stderr  # the opt-out warning is about writes
     as_json = await asyncio.to_thread(
         _cli, "inspect", "cli-1", "--url", redis_url, "--key-prefix", redis_prefix, "--json"
     )
@@ -237,6 +240,21 @@ async def test_submit_and_inspect_commands(redis_url: str, redis_prefix: str, tm
         timeout=60,
     )
     assert helped.returncode == 0 and "--concurrency" in helped.stdout
+
+
+async def test_inspect_holds_back_the_opt_out_warning_for_its_call_only(
+    redis_url: str, redis_prefix: str, caplog
+) -> None:
+    await populate(redis_url, redis_prefix, ["quiet-1"], turns=2)
+    logger = logging.getLogger("tokcap.redis")
+    level = logger.level
+    with caplog.at_level(logging.WARNING, logger="tokcap.redis"):
+        info = await inspect_rollout("quiet-1", url=redis_url, key_prefix=redis_prefix)
+        assert info["calls"] == 2
+        assert not [r for r in caplog.records if "durability='none'" in r.getMessage()]
+        logger.warning("after inspect")  # the logger itself still speaks
+        assert "after inspect" in caplog.text
+    assert logger.level == level and not logger.filters
 
 
 async def test_inspect_command_reads_a_file_store(tmp_path) -> None:

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +53,31 @@ async def inspect_rollout(
     else:
         from transports.redis import RedisTokenStore
 
-        # Read-only: no write needs the durability guarantee, so none is demanded (and the
-        # store's warning about durability='none' would only confuse a reader).
-        logging.getLogger("tokcap.redis").setLevel(logging.ERROR)
+        # Read-only: no write needs the durability guarantee, so none is demanded.
         store = RedisTokenStore(url=url, key_prefix=key_prefix, durability="none")
     try:
-        return await store.inspect(rollout_id)
+        # The store's warning about durability='none' is about writes: it would only
+        # confuse a reader, so it is held back for this call and nothing else.
+        with _errors_only(logging.getLogger("tokcap.redis")):
+            return await store.inspect(rollout_id)
     finally:
         await store.close()
+
+
+class _ErrorsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+@contextmanager
+def _errors_only(logger: logging.Logger) -> Iterator[None]:
+    """Let only errors of ``logger`` through inside the block; it is left as it was."""
+    held_back = _ErrorsOnly()
+    logger.addFilter(held_back)
+    try:
+        yield
+    finally:
+        logger.removeFilter(held_back)
 
 
 def _cell(value: Any) -> str:
