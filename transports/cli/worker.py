@@ -18,6 +18,19 @@ from transports.rebuild.worker import RebuildWorker, WorkerSettings, run_worker
 DEFAULT_URL = os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+# Flags that set one WorkerSettings field each, in --help order, with what the field means;
+# the flag is the field's name with dashes, and its type and default are the field's.
+SETTING_FLAGS = {
+    "concurrency": "jobs rebuilt at once in this process",
+    "group": "consumer group, one per service",
+    "claim_idle_ms": "take over jobs idle this long from dead workers",
+    "max_attempts": "attempts before a job goes to the dead-letter stream",
+    "key_prefix": "prefix of the store's keys and of the streams",
+    "durability": "fsync | replicas:N | none, as for the store",
+    "block_ms": "how long one read waits for new jobs",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = WorkerSettings(consumer="-")
     parser.add_argument(
@@ -25,47 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_URL,
         help="Redis URL (rediss:// for TLS; default $TOKCAP_REDIS_URL or %(default)s)",
     )
-    parser.add_argument(
-        "--concurrency",
-        type=int,
-        default=defaults.concurrency,
-        help="jobs rebuilt at once in this process (default %(default)s)",
-    )
-    parser.add_argument(
-        "--group",
-        default=defaults.group,
-        help="consumer group, one per service (default %(default)s)",
-    )
+    for name, meaning in SETTING_FLAGS.items():
+        default = getattr(defaults, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"{meaning} (default %(default)s)",
+        )
     parser.add_argument(
         "--consumer", default=None, help="this worker's name in the group (default <host>-<pid>)"
-    )
-    parser.add_argument(
-        "--claim-idle-ms",
-        type=int,
-        default=defaults.claim_idle_ms,
-        help="take over jobs idle this long from dead workers (default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-attempts",
-        type=int,
-        default=defaults.max_attempts,
-        help="attempts before a job goes to the dead-letter stream (default %(default)s)",
-    )
-    parser.add_argument(
-        "--key-prefix",
-        default=defaults.key_prefix,
-        help="prefix of the store's keys and of the streams (default %(default)s)",
-    )
-    parser.add_argument(
-        "--durability",
-        default=defaults.durability,
-        help="fsync | replicas:N | none, as for the store (default %(default)s)",
-    )
-    parser.add_argument(
-        "--block-ms",
-        type=int,
-        default=defaults.block_ms,
-        help="how long one read waits for new jobs (default %(default)s)",
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -73,18 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    extra = {"consumer": args.consumer} if args.consumer else {}
-    return WorkerSettings(
-        url=args.url,
-        key_prefix=args.key_prefix,
-        group=args.group,
-        concurrency=args.concurrency,
-        claim_idle_ms=args.claim_idle_ms,
-        max_attempts=args.max_attempts,
-        block_ms=args.block_ms,
-        durability=args.durability,
-        **extra,
-    )
+    chosen = {name: getattr(args, name) for name in SETTING_FLAGS}
+    if args.consumer:  # otherwise the settings name it <host>-<pid>
+        chosen["consumer"] = args.consumer
+    return WorkerSettings(url=args.url, **chosen)
 
 
 def run(
