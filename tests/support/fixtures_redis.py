@@ -3,7 +3,8 @@
 The session server runs with AOF and ``appendfsync always`` and no RDB snapshots, bound to
 127.0.0.1; ``REDIS_URL`` points the tests at another server instead (never the one on 6379
 unless you say so). Extra servers (to kill, restart, or misconfigure) come from a factory
-and are stopped by PID when the test ends.
+and are stopped by PID when the test ends. ``redis_client`` is a plain client of the
+session server.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 from tokcap.redis_server import DURABLE, RedisServerUnavailable
 from tokcap.redis_server import RedisServer as _RedisServer
@@ -51,6 +53,16 @@ def redis_url() -> Iterator[str]:
 def redis_prefix() -> str:
     """A key prefix of its own, so tests sharing one server never see each other's keys."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A plain client of the test server, for looking at streams and keys; closed after."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
 
 
 @pytest.fixture

@@ -48,6 +48,18 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         await made.close()
 
 
+@pytest.fixture
+async def redis_store(redis_url: str, redis_prefix: str) -> Any:
+    """A RedisTokenStore on the test server under the test's own prefix; closed after."""
+    from transports.redis import RedisTokenStore
+
+    made = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
 _call_numbers = itertools.count()
 
 

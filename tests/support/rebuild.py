@@ -1,8 +1,9 @@
-"""Rollouts written straight into a Redis store, the checks of their rebuilt records, and a
-rebuild worker that pauses between publish and retire.
+"""Rollouts written straight into a Redis store, the checks of their rebuilt records, the
+workers the rebuild tests run, and polls of Redis state to wait on them.
 
 ``python -m tests.support.rebuild --delay-after-publish-ms N <tokcap worker flags>`` runs
-that slow worker as a process, for tests that kill or stop a worker inside the window.
+the slow worker (``SlowRetireWorker``) as a process, for tests that kill or stop a worker
+between publish and retire.
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
 
 from capture.records import TokenEntry
 from tests.support.rollouts import growing_rollout
 from transports.cli import worker as worker_cli
+from transports.rebuild.results import decode_result
 from transports.rebuild.worker import Published, RebuildWorker, WorkerSettings
 from transports.redis import RedisTokenStore
 
@@ -87,6 +93,18 @@ def assert_rebuilt(record: dict[str, Any], turns: int) -> None:
     assert last["generation_log_probs"] == expected.generation_log_probs
 
 
+def make_worker(
+    url: str, prefix: str, *, delay_after_publish_s: float = 0, **settings: Any
+) -> RebuildWorker:
+    """A worker of one task that takes over no other consumer's jobs in a test's time;
+    ``settings`` override that. With a delay it is a ``SlowRetireWorker``."""
+    options = dict(claim_idle_ms=60_000, block_ms=50, consumer="test-worker", concurrency=1)
+    worker_settings = WorkerSettings(url=url, key_prefix=prefix, **{**options, **settings})
+    if delay_after_publish_s:
+        return SlowRetireWorker(worker_settings, delay_after_publish_s)
+    return RebuildWorker(worker_settings)
+
+
 class SlowRetireWorker(RebuildWorker):
     """A worker that waits after each publish, so a test can act before the retire."""
 
@@ -98,6 +116,53 @@ class SlowRetireWorker(RebuildWorker):
         published = await super()._publish(*args)
         await asyncio.sleep(self.delay_after_publish_s)
         return published
+
+
+Predicate = Callable[[], Awaitable[bool]]
+
+
+class Alive(Protocol):
+    def check_alive(self) -> None: ...
+
+
+async def wait_for(
+    predicate: Predicate, what: str, timeout: float = 60.0, procs: Sequence[Alive] = ()
+) -> None:
+    """Poll until ``predicate()`` holds; fail after ``timeout`` s, or once a process died."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        for proc in procs:
+            proc.check_alive()
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def stream_holds(client: aioredis.Redis, stream: str, count: int) -> Predicate:
+    """True once ``stream`` holds exactly ``count`` entries."""
+
+    async def holds() -> bool:
+        return await client.xlen(stream) == count
+
+    return holds
+
+
+def nothing_pending(client: aioredis.Redis, jobs: str, group: str = "rebuild") -> Predicate:
+    """True once every job the group read was acknowledged."""
+
+    async def settled() -> bool:
+        return (await client.xpending(jobs, group))["pending"] == 0
+
+    return settled
+
+
+async def results_of(client: aioredis.Redis, results: str) -> list[dict[str, Any]]:
+    """Every result on the stream, decoded, in order, with its stream fields beside it."""
+    decoded = []
+    for result_id, fields in await client.xrange(results):
+        record = decode_result(result_id, fields)
+        record["_fields"] = {key.decode(): value for key, value in fields.items()}
+        decoded.append(record)
+    return decoded
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -18,16 +17,19 @@ import redis.asyncio as aioredis
 
 from capture.delivery import RolloutBuild
 from tests.support.rebuild import (
-    SlowRetireWorker,
     assert_rebuilt,
     finished_record,
     inspect,
+    make_worker,
+    nothing_pending,
     populate,
+    results_of,
     rollout_entries,
+    stream_holds,
+    wait_for,
 )
 from transports.rebuild.jobs import encode_job
-from transports.rebuild.results import SUPERSEDES_KEY, ResultsReader, decode_result
-from transports.rebuild.worker import RebuildWorker, WorkerSettings
+from transports.rebuild.results import SUPERSEDES_KEY, ResultsReader
 from transports.redis import RedisTokenStore
 from transports.redis.keys import publish_guard_key, stream_names
 
@@ -49,40 +51,12 @@ def poison_fields(rollout_id: str, shape: str) -> dict[str, Any]:
     }
 
 
-async def wait_for(predicate: Callable[[], Awaitable[bool]], what: str, timeout: float = 30):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-def make_worker(
-    url: str, prefix: str, delay_after_publish_s: float = 0, **overrides: Any
-) -> RebuildWorker:
-    """A worker of one task; with a delay, one that waits between publish and retire."""
-    options = dict(claim_idle_ms=60_000, block_ms=50, consumer="evidence", concurrency=1)
-    settings = WorkerSettings(url=url, key_prefix=prefix, **{**options, **overrides})
-    if delay_after_publish_s:
-        return SlowRetireWorker(settings, delay_after_publish_s)
-    return RebuildWorker(settings)
-
-
-async def results_of(client: aioredis.Redis, results: str) -> list[dict[str, Any]]:
-    """Every result on the stream, decoded, in order, with its stream fields beside it."""
-    decoded = []
-    for result_id, fields in await client.xrange(results):
-        record = decode_result(result_id, fields)
-        record["_fields"] = {key.decode(): value for key, value in fields.items()}
-        decoded.append(record)
-    return decoded
-
-
 async def test_poison_jobs_then_a_valid_one_the_valid_result_wins_and_retires(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
     await populate(redis_url, redis_prefix, ["poisoned-1"], turns=3)
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    client = redis_client
     worker = make_worker(redis_url, redis_prefix)
     await worker.start()
     for shape in POISON:
@@ -92,9 +66,9 @@ async def test_poison_jobs_then_a_valid_one_the_valid_result_wins_and_retires(
     try:
 
         async def settled() -> bool:
-            pending = (await client.xpending(jobs, "rebuild"))["pending"]
             done = worker.counts["done"] == 1
-            return await client.xlen(dead) == len(POISON) and pending == 0 and done
+            lettered = await stream_holds(client, dead, len(POISON))()
+            return lettered and await nothing_pending(client, jobs)() and done
 
         await wait_for(settled, "the dead letters and the valid job")
         letters = [fields for _, fields in await client.xrange(dead)]
@@ -110,19 +84,18 @@ async def test_poison_jobs_then_a_valid_one_the_valid_result_wins_and_retires(
     finally:
         worker.stop()
         await asyncio.wait_for(task, 20)
-        await client.aclose()
 
 
 async def test_a_poison_job_alone_is_dead_lettered_and_leaves_the_rollout_open(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, redis_store: RedisTokenStore
 ) -> None:
     await populate(redis_url, redis_prefix, ["alone-1"], turns=2)
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    store, client = redis_store, redis_client
     worker = make_worker(redis_url, redis_prefix)
     await worker.start()
     job_id = (await client.xadd(jobs, poison_fields("alone-1", "output text"))).decode()
-    await client.xreadgroup("rebuild", "evidence", {jobs: ">"}, count=1)
+    await client.xreadgroup("rebuild", worker.settings.consumer, {jobs: ">"}, count=1)
     try:
         ((_, fields),) = await client.xrange(jobs)
         await worker._run_job(job_id, fields, 1)
@@ -136,26 +109,20 @@ async def test_a_poison_job_alone_is_dead_lettered_and_leaves_the_rollout_open(
         info = await inspect(redis_url, redis_prefix, "alone-1")
         assert info["state"] == "open" and info["calls"] == 2
         # Not frozen: the harness may still write, and nothing of it was lost.
-        store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
-        try:
-            later = rollout_entries("alone-1", 3)[-1]
-            await store.put(later)
-            assert (await store.inspect("alone-1"))["calls"] == 3
-        finally:
-            await store.close()
+        later = rollout_entries("alone-1", 3)[-1]
+        await store.put(later)
+        assert (await store.inspect("alone-1"))["calls"] == 3
     finally:
         await worker.close()
-        await client.aclose()
 
 
 async def test_an_existing_masked_publish_guard_keeps_the_snapshot(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, redis_store: RedisTokenStore
 ) -> None:
     """The trainer received a masked result for this snapshot: its evidence must stay."""
     await populate(redis_url, redis_prefix, ["guarded-1", "legacy-1"], turns=3)
     jobs, results, _ = stream_names(redis_prefix)
-    store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    store, client = redis_store, redis_client
     worker = make_worker(redis_url, redis_prefix)
     await worker.start()
     try:
@@ -178,26 +145,19 @@ async def test_an_existing_masked_publish_guard_keeps_the_snapshot(
         assert (await inspect(redis_url, redis_prefix, "guarded-1"))["state"] == "retired"
     finally:
         await worker.close()
-        await store.close()
-        await client.aclose()
 
 
 async def test_a_late_loss_after_publish_is_superseded_by_a_masked_result(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, redis_store: RedisTokenStore
 ) -> None:
     await populate(redis_url, redis_prefix, ["late-1"], turns=3)
     _, results, _ = stream_names(redis_prefix)
-    store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    store, client = redis_store, redis_client
     worker = make_worker(redis_url, redis_prefix, delay_after_publish_s=1.5)
     await worker.start()
     try:
         job = asyncio.create_task(worker.process("5-1", encode_job(finished_record("late-1"))))
-
-        async def published() -> bool:
-            return await client.xlen(results) == 1
-
-        await wait_for(published, "the first result")
+        await wait_for(stream_holds(client, results, 1), "the first result")
         await store.mark_incomplete("late-1", "turn-lost")  # inside the publish → retire window
         await asyncio.wait_for(job, 30)
         first, second = await results_of(client, results)
@@ -226,18 +186,15 @@ async def test_a_late_loss_after_publish_is_superseded_by_a_masked_result(
         assert (await inspect(redis_url, redis_prefix, "late-1"))["state"] == "frozen"
     finally:
         await worker.close()
-        await store.close()
-        await client.aclose()
 
 
 async def test_a_rerun_after_a_crash_still_links_the_superseded_result(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, redis_store: RedisTokenStore
 ) -> None:
     """The worker died after publish; the late mark came; the claimed re-run links them."""
     await populate(redis_url, redis_prefix, ["crash-1"], turns=3)
     _, results, _ = stream_names(redis_prefix)
-    store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    store, client = redis_store, redis_client
     dying = make_worker(redis_url, redis_prefix, delay_after_publish_s=60)
     second = make_worker(redis_url, redis_prefix, consumer="second")
     await dying.start()
@@ -245,11 +202,7 @@ async def test_a_rerun_after_a_crash_still_links_the_superseded_result(
     fields = encode_job(finished_record("crash-1"))
     try:
         job = asyncio.create_task(dying.process("6-1", fields))
-
-        async def published() -> bool:
-            return await client.xlen(results) == 1
-
-        await wait_for(published, "the first result")
+        await wait_for(stream_holds(client, results, 1), "the first result")
         job.cancel()  # killed between publish and retire
         await asyncio.gather(job, return_exceptions=True)
         await store.mark_incomplete("crash-1", "turn-lost")
@@ -262,8 +215,6 @@ async def test_a_rerun_after_a_crash_still_links_the_superseded_result(
     finally:
         await dying.close()
         await second.close()
-        await store.close()
-        await client.aclose()
 
 
 async def test_an_older_build_is_never_published_after_a_newer_one(
@@ -299,12 +250,12 @@ def free_port() -> int:
 
 
 async def test_a_build_that_cannot_reach_the_store_is_retried_never_published(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
     """The results stream answers but the capture store does not: no masked result."""
     await populate(redis_url, redis_prefix, ["unreachable-1"], turns=2)
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    client = redis_client
     worker = make_worker(redis_url, redis_prefix, max_attempts=3)
     await worker.start()
     live_source = worker.source
@@ -312,7 +263,7 @@ async def test_a_build_that_cannot_reach_the_store_is_retried_never_published(
         url=f"redis://127.0.0.1:{free_port()}/0", key_prefix=redis_prefix, max_retries=1
     )
     job_id = (await client.xadd(jobs, encode_job(finished_record("unreachable-1")))).decode()
-    await client.xreadgroup("rebuild", "evidence", {jobs: ">"}, count=1)
+    await client.xreadgroup("rebuild", worker.settings.consumer, {jobs: ">"}, count=1)
     try:
         ((_, fields),) = await client.xrange(jobs)
         await worker._run_job(job_id, fields, 1)
@@ -335,4 +286,3 @@ async def test_a_build_that_cannot_reach_the_store_is_retried_never_published(
             await worker.source.close()
             worker.source = live_source
         await worker.close()
-        await client.aclose()

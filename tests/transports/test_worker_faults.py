@@ -1,8 +1,9 @@
 """Rebuild workers as real processes under faults: kill -9 mid-job, many workers, bad jobs,
 SIGTERM with jobs in flight, and jobs that keep failing.
 
-Every worker is a ``python -m transports.cli.worker`` child stopped by its PID; waits are
-bounded polls of Redis state, never timing assertions.
+Every worker is a ``python -m transports.cli.worker`` child (or the slow worker of
+``tests.support.rebuild``, the same CLI with a pause between publish and retire) stopped by
+its PID; waits are bounded polls of Redis state, never timing assertions.
 """
 
 from __future__ import annotations
@@ -19,10 +20,18 @@ from pathlib import Path
 import msgpack
 import redis.asyncio as aioredis
 
-from tests.support.rebuild import assert_rebuilt, finished_record, inspect, populate
+from tests.support.rebuild import (
+    assert_rebuilt,
+    finished_record,
+    inspect,
+    make_worker,
+    nothing_pending,
+    populate,
+    stream_holds,
+    wait_for,
+)
 from transports.rebuild.jobs import RebuildQueue, encode_job
 from transports.rebuild.results import ResultsReader, ensure_group
-from transports.rebuild.worker import RebuildWorker, WorkerSettings
 from transports.redis.keys import stream_names
 
 
@@ -71,6 +80,9 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def check_alive(self) -> None:
+        assert self.proc.poll() is None, f"worker exited early:\n{self.log()[-3000:]}"
+
     def signal(self, signum: int) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signum)
@@ -85,21 +97,12 @@ class WorkerProcess:
         self._log.close()
 
 
-async def wait_for(predicate, what: str, timeout: float = 60.0, procs=()) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        for proc in procs:
-            assert proc.proc.poll() is None, f"worker exited early:\n{proc.log()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_killed_worker_job_is_reclaimed_published_once_retired_after(
-    redis_url: str, redis_prefix: str, tmp_path: Path
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
     await populate(redis_url, redis_prefix, ["kill-1"], turns=5)
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    client = redis_client
     first = WorkerProcess(
         redis_url,
         redis_prefix,
@@ -113,10 +116,7 @@ async def test_killed_worker_job_is_reclaimed_published_once_retired_after(
     try:
         async with RebuildQueue(url=redis_url, stream=jobs) as queue:
             await queue.submit(finished_record("kill-1"))
-
-        async def published() -> bool:
-            return await client.xlen(results) == 1
-
+        published = stream_holds(client, results, 1)
         await wait_for(published, "the first worker to publish", procs=[first])
         # Published, not yet retired, job still pending: now the kill lands mid-job.
         assert (await inspect(redis_url, redis_prefix, "kill-1"))["state"] == "frozen"
@@ -128,10 +128,7 @@ async def test_killed_worker_job_is_reclaimed_published_once_retired_after(
         second = WorkerProcess(
             redis_url, redis_prefix, tmp_path, "second", "--claim-idle-ms", "400"
         )
-
-        async def finished() -> bool:
-            return (await client.xpending(jobs, "rebuild"))["pending"] == 0
-
+        finished = nothing_pending(client, jobs)
         await wait_for(finished, "the second worker to finish the job", procs=[second])
         assert await client.xlen(results) == 1  # exactly once, though the job ran twice
         assert (await inspect(redis_url, redis_prefix, "kill-1"))["state"] == "retired"
@@ -144,18 +141,17 @@ async def test_killed_worker_job_is_reclaimed_published_once_retired_after(
         first.stop()
         if second is not None:
             second.stop()
-        await client.aclose()
 
 
 async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
-    redis_url: str, redis_prefix: str, tmp_path: Path
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
     rollout_ids = [f"many-{n:03d}" for n in range(200)]
     await asyncio.gather(
         *(populate(redis_url, redis_prefix, rollout_ids[n::8], turns=2) for n in range(8))
     )
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    client = redis_client
     workers = [
         WorkerProcess(
             redis_url,
@@ -185,7 +181,7 @@ async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
             while len(records) < 200:
                 assert time.monotonic() < deadline, f"only {len(records)} of 200 results"
                 for proc in workers:
-                    assert proc.proc.poll() is None, proc.log()[-3000:]
+                    proc.check_alive()
                 records += await reader.read(count=100)
             seen = Counter(record["_ng_rollout_id"] for record in records)
             assert set(seen) == set(rollout_ids) and max(seen.values()) == 1
@@ -197,11 +193,7 @@ async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
             assert await client.xlen(results) == 0  # acknowledged results leave the stream
         for record in records[::20]:
             assert_rebuilt(record, turns=2)
-
-        async def drained() -> bool:
-            return (await client.xpending(jobs, "rebuild"))["pending"] == 0
-
-        await wait_for(drained, "every job acked", procs=workers)
+        await wait_for(nothing_pending(client, jobs), "every job acked", procs=workers)
         assert await client.xlen(jobs) == 0 and await client.xlen(dead) == 0
         states = Counter(
             [(await inspect(redis_url, redis_prefix, r))["state"] for r in rollout_ids]
@@ -210,15 +202,14 @@ async def test_200_jobs_over_3_workers_none_lost_or_duplicated(
     finally:
         for proc in workers:
             proc.stop()
-        await client.aclose()
 
 
 async def test_malformed_jobs_go_to_dead_letter_with_readable_errors(
-    redis_url: str, redis_prefix: str, tmp_path: Path
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
     await populate(redis_url, redis_prefix, ["fine-1"], turns=2)
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    client = redis_client
     bad = {
         "no record": {"rollout_id": "x"},
         "not msgpack": {"record": b"\xc1\xc1 not msgpack"},
@@ -255,16 +246,15 @@ async def test_malformed_jobs_go_to_dead_letter_with_readable_errors(
         assert (await inspect(redis_url, redis_prefix, "fine-1"))["state"] == "retired"
     finally:
         worker.stop()
-        await client.aclose()
 
 
 async def test_sigterm_finishes_jobs_in_flight_then_exits(
-    redis_url: str, redis_prefix: str, tmp_path: Path
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
     rollout_ids = [f"term-{n}" for n in range(4)]
     await populate(redis_url, redis_prefix, rollout_ids, turns=3)
     jobs, results, _ = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    client = redis_client
     worker = WorkerProcess(
         redis_url,
         redis_prefix,
@@ -278,11 +268,7 @@ async def test_sigterm_finishes_jobs_in_flight_then_exits(
         async with RebuildQueue(url=redis_url, stream=jobs) as queue:
             for rollout_id in rollout_ids:
                 await queue.submit(finished_record(rollout_id))
-
-        async def all_published() -> bool:
-            return await client.xlen(results) == 4
-
-        await wait_for(all_published, "4 published results", procs=[worker])
+        await wait_for(stream_holds(client, results, 4), "4 published results", procs=[worker])
         assert (await client.xpending(jobs, "rebuild"))["pending"] == 4  # all still in flight
         worker.signal(signal.SIGTERM)
         assert await asyncio.to_thread(worker.wait, 30) == 0, worker.log()[-3000:]
@@ -292,25 +278,18 @@ async def test_sigterm_finishes_jobs_in_flight_then_exits(
         assert "finishing 4 job(s) in flight" in worker.log()
     finally:
         worker.stop()
-        await client.aclose()
 
 
 async def test_job_that_keeps_failing_goes_to_dead_letter_with_its_last_error(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
     """Attempts are counted by deliveries: a job a worker never finished is retried, then dead."""
     await populate(redis_url, redis_prefix, ["stuck-1"], turns=2)
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
-    settings = WorkerSettings(
-        url=redis_url,
-        key_prefix=redis_prefix,
-        max_attempts=2,
-        claim_idle_ms=1,
-        block_ms=50,
-        consumer="live",
+    client = redis_client
+    worker = make_worker(
+        redis_url, redis_prefix, max_attempts=2, claim_idle_ms=1, consumer="live", concurrency=4
     )
-    worker = RebuildWorker(settings)
     task = None
     try:
         await worker.start()
@@ -321,11 +300,7 @@ async def test_job_that_keeps_failing_goes_to_dead_letter_with_its_last_error(
         await client.hset(f"{jobs}:errors", job_id, "TimeoutError: upstream took too long")
         await asyncio.sleep(0.01)
         task = asyncio.create_task(worker.run())
-
-        async def gone_dead() -> bool:
-            return await client.xlen(dead) == 1
-
-        await wait_for(gone_dead, "the dead letter", timeout=20)
+        await wait_for(stream_holds(client, dead, 1), "the dead letter", timeout=20)
         ((_, fields),) = await client.xrange(dead)
         assert fields[b"attempts"] == b"3"
         assert b"gave up after 2 attempts" in fields[b"error"]
@@ -340,36 +315,30 @@ async def test_job_that_keeps_failing_goes_to_dead_letter_with_its_last_error(
             await asyncio.wait_for(task, 20)
         else:
             await worker.close()
-        await client.aclose()
 
 
 async def test_a_failing_step_is_retried_by_reclaim_then_dead_lettered(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
     """A results stream that cannot take the result (wrong key type) fails every attempt."""
     await populate(redis_url, redis_prefix, ["blocked-1"], turns=2)
     jobs, results, dead = stream_names(redis_prefix)
-    client = aioredis.Redis.from_url(redis_url)
+    client = redis_client
     await client.set(results, "not a stream")
-    worker = RebuildWorker(
-        WorkerSettings(
-            url=redis_url,
-            key_prefix=redis_prefix,
-            max_attempts=3,
-            claim_idle_ms=50,
-            block_ms=20,
-            consumer="retrier",
-        )
+    worker = make_worker(
+        redis_url,
+        redis_prefix,
+        max_attempts=3,
+        claim_idle_ms=50,
+        block_ms=20,
+        consumer="retrier",
+        concurrency=4,
     )
     task = asyncio.create_task(worker.run())
     try:
         async with RebuildQueue(client=client, stream=jobs) as queue:
             await queue.submit(finished_record("blocked-1"))
-
-        async def gone_dead() -> bool:
-            return await client.xlen(dead) == 1
-
-        await wait_for(gone_dead, "the dead letter", timeout=30)
+        await wait_for(stream_holds(client, dead, 1), "the dead letter", timeout=30)
         ((_, fields),) = await client.xrange(dead)
         assert fields[b"attempts"] == b"3" and b"WRONGTYPE" in fields[b"error"]
         assert worker.counts["failed"] == 3 and worker.counts["published"] == 0
@@ -379,7 +348,6 @@ async def test_a_failing_step_is_retried_by_reclaim_then_dead_lettered(
     finally:
         worker.stop()
         await asyncio.wait_for(task, 20)
-        await client.aclose()
 
 
 async def test_worker_refuses_an_undurable_server(redis_server_factory, tmp_path: Path) -> None:
