@@ -45,6 +45,7 @@ from capture.rollout_ids import validate_rollout_id
 
 LOG_SUFFIX = ".log"
 _CACHED_ROLLOUTS = 1024
+SWEEP_INTERVAL_S = 3600.0  # drops sweep old tombstones at most this often
 _PEEK_BYTES = 1 << 20  # a tomb is small; a larger second record is an entry
 
 
@@ -78,6 +79,7 @@ class TokenCaptureStore:
         self._closed = False
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._next_sweep = 0.0  # monotonic time of the next sweep a drop runs
         if not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
             if fsync:
@@ -115,8 +117,17 @@ class TokenCaptureStore:
         return await self._run(self._freeze, rollout_id)
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
-        """Retire exactly that snapshot, leaving a tombstone; False if anything changed."""
-        return await self._run(self._drop, rollout_id, snapshot_id, version)
+        """Retire exactly that snapshot, leaving a tombstone; False if anything changed.
+
+        At most once per ``SWEEP_INTERVAL_S`` a drop also sweeps the tombstones older than
+        ``tombstone_ttl_s``, so they expire without an operator's cron (as Redis expires
+        them by TTL); ``sweep_tombstones`` still runs a sweep on demand.
+        """
+        dropped = await self._run(self._drop, rollout_id, snapshot_id, version)
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+            await self.sweep_tombstones()
+        return dropped
 
     # -- administration -----------------------------------------------------------------
 

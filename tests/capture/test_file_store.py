@@ -331,3 +331,25 @@ def test_stored_blocks_round_trip_any_prompt_family(prompts, reopen_at):
 
     with tempfile.TemporaryDirectory() as directory:
         asyncio.run(scenario(directory))
+
+
+async def test_drops_sweep_old_tombstones_once_an_interval(tmp_path):
+    """Tombstones expire without an operator: a drop sweeps those past the TTL."""
+    store = TokenCaptureStore(tmp_path / "captures", tombstone_ttl_s=0.05)
+
+    async def retire(rollout_id: str) -> None:
+        await store.put(make_token_entry(rollout_id, "c-1"))
+        snapshot = await store.freeze(rollout_id)
+        assert await store.drop(
+            rollout_id, snapshot_id=snapshot.snapshot_id, version=snapshot.version
+        )
+
+    await retire("old")
+    await asyncio.sleep(0.1)
+    await retire("new")  # within the interval: no sweep yet
+    assert await store.rollouts() == ["new", "old"]
+    store._next_sweep = 0.0  # the interval has passed
+    await retire("newer")
+    left = await store.rollouts()
+    assert "old" not in left and "newer" in left
+    await store.close()

@@ -1,4 +1,4 @@
-"""The store contract (DESIGN §3), written once and run against every store kind.
+"""The store contract (sink and source), written once and run against every store kind.
 
 Nothing here knows how a store keeps its data: only the async sink/source API is used.
 """
