@@ -20,8 +20,9 @@ import redis.asyncio as aioredis
 from capture.records import TokenEntry
 from tests.support.rollouts import growing_rollout
 from transports.cli import worker as worker_cli
+from transports.rebuild.publish import Published
 from transports.rebuild.results import decode_result
-from transports.rebuild.worker import Published, RebuildWorker, WorkerSettings
+from transports.rebuild.worker import RebuildWorker, WorkerSettings
 from transports.redis import RedisTokenStore
 
 

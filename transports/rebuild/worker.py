@@ -45,54 +45,14 @@ from capture.delivery import (
 )
 from capture.retention import TOMBSTONE_TTL_S
 from transports.rebuild.jobs import MalformedJobError, decode_job
-from transports.rebuild.results import SUPERSEDES_FIELD, encode_result, ensure_group
+from transports.rebuild.publish import Published, ResultToPublish, publish_once
+from transports.rebuild.results import encode_result, ensure_group
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
 from transports.redis.durability import Durability
 from transports.redis.keys import as_text
 
 log = logging.getLogger("tokcap.worker")
-
-# Publish a result unless this (rollout, snapshot, version) was published before; the guard
-# keeps "<result id> <1 if unmasked else 0>", so a repeat knows what the trainer received. On a
-# repeat the guard's TTL is refreshed: that write makes WAIT/WAITAOF on this connection also
-# cover the first publish, which a killed worker may never have seen made durable.
-# KEYS: guard, results stream, the rollout's latest result ("<id> <snapshot id> <version>").
-# ARGV: ttl ms, ok flag, snapshot id ('' for none), version, name of the supersedes field,
-# then the result's stream fields. A newer version of the same snapshot already published
-# makes this one stale: nothing is written (reply 2), since a trainer must never receive an
-# older build after a newer one. An older version is superseded by this one.
-PUBLISH_ONCE = """
-local existing = redis.call('GET', KEYS[1])
-if existing then
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-  return {0, existing, ''}
-end
-local snapshot, version = ARGV[3], tonumber(ARGV[4])
-local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
-local supersedes = ''
-if snapshot ~= '' then
-  local latest = redis.call('GET', KEYS[3])
-  if latest then
-    local id, seen, seen_version = string.match(latest, '^(%S+) (%S+) (%d+)$')
-    if seen == snapshot and tonumber(seen_version) > version then
-      return {2, id, ''}
-    end
-    if seen == snapshot and tonumber(seen_version) < version then
-      supersedes = id
-      fields[#fields + 1] = ARGV[5]
-      fields[#fields + 1] = id
-    end
-  end
-end
-local id = redis.call('XADD', KEYS[2], '*', unpack(fields))
-redis.call('SET', KEYS[1], id .. ' ' .. ARGV[2], 'PX', ARGV[1])
-if snapshot ~= '' then
-  redis.call('SET', KEYS[3], id .. ' ' .. snapshot .. ' ' .. ARGV[4], 'PX', ARGV[1])
-end
-return {1, id .. ' ' .. ARGV[2], supersedes}
-"""
 
 # A late loss mark can change a snapshot between publish and retire; each round rebuilds it
 # and supersedes the published result. Redis marks only ever mask, so two rounds settle it.
@@ -108,17 +68,6 @@ HEARTBEATS_PER_IDLE, MIN_HEARTBEAT_PAUSE_S = 3, 0.02
 
 class TransientJobError(Exception):
     """A step failed in a way a later attempt may not; the job stays pending."""
-
-
-@dataclass(frozen=True)
-class Published:
-    """What the trainer receives for one snapshot version, as the publish guard says."""
-
-    result_id: str
-    fresh: bool  # written by this call, not found from an earlier run
-    ok: bool  # that result is an unmasked build (a guard of an older worker: unknown, False)
-    supersedes: str = ""  # the result id this one replaces, when it is fresh
-    stale: bool = False  # a newer version of the snapshot was published: nothing was written
 
 
 @dataclass
@@ -431,38 +380,22 @@ class RebuildWorker:
     ) -> Published:
         """XADD the result unless this snapshot version was published before."""
         s = self.settings
-        snapshot_id = built.snapshot_id or ""
-        guard = k.publish_guard_key(
-            s.results_stream, rollout_id, snapshot_id, built.version, job_id
-        )
-        latest = k.latest_result_key(s.results_stream, rollout_id)
         fields = encode_result(
             record,
             rollout_id=rollout_id,
-            snapshot_id=snapshot_id,
+            snapshot_id=built.snapshot_id or "",
             version=built.version,
             ok=bool(built.ok),
             masked=bool(built.masked),
             job_id=job_id,
             worker=s.consumer,
         )
-        ok_flag = "1" if built.ok and not built.masked else "0"
-        args: list[Any] = [
-            s.guard_ttl_s * 1000,
-            ok_flag,
-            snapshot_id,
-            built.version,
-            SUPERSEDES_FIELD,
-        ]
-        for key, value in fields.items():
-            args += [key, value]
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.eval(PUBLISH_ONCE, 3, guard, s.results_stream, latest, *args)
-            for command in self.durability.wait:
-                pipe.execute_command(*command)
-            replies = await pipe.execute()
-        self.durability.verify(replies[1:])
-        return _published(replies[0])
+        return await publish_once(
+            self.client,
+            self.durability,
+            ResultToPublish(s.results_stream, rollout_id, job_id, built, fields),
+            guard_ttl_s=s.guard_ttl_s,
+        )
 
     async def _finish(self, job_id: str) -> None:
         """Ack and delete the job, and forget its errors, in one transaction."""
@@ -491,19 +424,6 @@ class RebuildWorker:
             pipe.xdel(s.jobs_stream, job_id)
             pipe.hdel(self.errors_key, job_id)
             await pipe.execute()
-
-
-def _published(reply: list[Any]) -> Published:
-    """Read the publish script's reply: (0 found | 1 written | 2 stale, guard, supersedes)."""
-    status, guarded, supersedes = int(reply[0]), as_text(reply[1]), as_text(reply[2])
-    result_id, _, ok_flag = guarded.partition(" ")
-    return Published(
-        result_id=result_id,
-        fresh=status == 1,
-        ok=status != 2 and ok_flag == "1",
-        supersedes=supersedes if status == 1 else "",
-        stale=status == 2,
-    )
 
 
 async def run_worker(
