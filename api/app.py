@@ -23,12 +23,13 @@ from api import sse
 from api.capture_step import capture
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
+from api.generation import UpstreamError
 from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
 from api.routing import CapturePrefixRouter, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
-from api.upstream import UpstreamClient, UpstreamError
+from api.upstream import UpstreamClient
 from capture.context import (
     begin_call,
     current_call,
@@ -201,6 +202,8 @@ async def _lifespan(app: FastAPI, settings: ServerSettings, slot: SinkSlot) -> A
         sampling_overrides=settings.sampling_overrides,
         timeout_s=settings.upstream_timeout_s,
         vocab_size=settings.vocab_size,
+        engine=settings.engine,
+        api_key=settings.upstream_api_key,
     )
     try:
         yield

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.dialects.common import arguments_text, new_id
+from api.generation import Generation
 from api.types import CapturedCall
-from api.upstream import Generation
 from capture.context import CallCapture, capture_entry, current_call, mark_incomplete
 from capture.records import TokenEntry
 
@@ -76,7 +76,16 @@ def call_entry(
         output_items=[dict(item) for item in items],
         token_item_index=len(items) - 1,
         overridden_sampling_keys=list(generation.overridden_keys),
+        **_clamp_field(generation),
     )
+
+
+def _clamp_field(generation: Generation) -> dict[str, Any]:
+    """``max_tokens_clamped`` for an entry whose ``max_tokens`` was lowered to fit."""
+    if generation.max_tokens_clamp is None:
+        return {}
+    asked, sent = generation.max_tokens_clamp
+    return {"max_tokens_clamped": {"asked": asked, "sent": sent}}
 
 
 async def capture(generation: Generation) -> CapturedCall:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from api.engines import ENGINES
 from capture.config import TokenIdCaptureConfig, find_capture_block, load_document
 from capture.context import DEFAULT_CAPTURE_TIMEOUT_S
 from capture.errors import ConfigError
@@ -31,6 +32,8 @@ ENV_OVERRIDES = {
     "TOKCAP_MODEL": "model",
     "TOKCAP_MAX_BODY_BYTES": "max_body_bytes",
     "TOKCAP_MAX_INFLIGHT_BYTES": "max_inflight_bytes",
+    "TOKCAP_ENGINE": "engine",
+    "TOKCAP_UPSTREAM_API_KEY": "upstream_api_key",
 }
 INTEGER_SETTINGS = ("max_body_bytes", "max_inflight_bytes")
 
@@ -49,6 +52,8 @@ class ModelServerBlock(BaseModel):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     vocab_size: int | None = Field(default=None, gt=0)
     capture_timeout_s: float = Field(default=DEFAULT_CAPTURE_TIMEOUT_S, gt=0)
+    engine: Literal["auto", "vllm", "sglang"] = "auto"
+    upstream_api_key: str | None = Field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,17 @@ class ServerSettings:
     # How long a call waits for its entry, or its loss, to become durable before the
     # harness is answered 503 instead of the reply.
     capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S
+    # The engine family whose wire format the upstream speaks; auto asks it at the first call.
+    engine: str = "auto"
+    # Sent as Authorization: Bearer to the upstream; never shown (not even in this repr).
+    upstream_api_key: str | None = field(default=None, repr=False)
     capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(
+                f"model_server.engine must be one of {', '.join(ENGINES)}, not {self.engine!r}"
+            )
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ConfigError(
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "

@@ -22,13 +22,11 @@ import pytest
 from fastapi import FastAPI
 
 from api import jsonbytes
+from api.engines.vllm import LOGPROB_PLACEHOLDER
+from api.engines.vllm import predates_token_ids as engine_predates_token_ids
+from api.engines.vllm import read_chat as read_generation
 from api.settings import ServerSettings
-from api.upstream import (
-    LOGPROB_PLACEHOLDER,
-    UpstreamClient,
-    engine_predates_token_ids,
-    read_generation,
-)
+from api.upstream import UpstreamClient
 from capture.errors import ConfigError
 from engine.tokenizer import load_tokenizer
 from tests.support.corrupting_proxy import MODES, CorruptingProxy, corrupting_proxy

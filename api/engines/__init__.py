@@ -1,0 +1,25 @@
+"""Engine adapters: how each engine family is asked for ids and how its reply is read.
+
+An adapter builds the request its engine understands and reads the fields its engine
+returns (``vllm``, ``sglang``); the front end never guesses a field's place from another
+engine's format. ``detect`` names the family from the engine's own answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from api.engines import sglang, vllm
+
+ADAPTERS = {"vllm": vllm, "sglang": sglang}
+ENGINES = ("auto", *ADAPTERS)
+
+
+def family_of_models(models: list[Mapping[str, Any]]) -> str | None:
+    """The family ``GET /v1/models`` names (``owned_by``), or None when it names none."""
+    for card in models:
+        owner = str(card.get("owned_by") or "").lower()
+        if owner in ADAPTERS:
+            return owner
+    return None

@@ -1,0 +1,195 @@
+"""The SGLang adapter, following SGLang 0.5.23 (the release on PyPI).
+
+Sources: ``python/sglang/srt/entrypoints/openai/protocol.py`` (``ChatCompletionRequest``
+``return_token_ids`` and ``return_meta_info``; ``ChatCompletionResponseChoice``
+``prompt_token_ids``, ``response_token_ids``, ``matched_stop``, ``meta_info``),
+``serving_chat.py`` (how those are filled), and ``managers/io_struct.py`` (``GenerateReqInput``
+for the native ``/generate``).
+
+SGLang's ids are per choice: ``prompt_token_ids`` and ``response_token_ids`` (0.5.17 named the
+latter ``token_ids``, so either is read). Its log-prob tokens are text, so the second id
+source is ``meta_info.output_token_logprobs``: ``[logprob, id, text]`` per generated token
+(``return_meta_info``); the two must agree, as vLLM's two sources must. A ``-inf`` log-prob
+arrives as ``null`` and is missing, never a value. Ids are not sent on streams (SGLang refuses
+the flags there), so every call is non-streamed. A token-in call is ``/generate`` with
+``input_ids``, which returns ``output_ids`` and the same triples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from api.generation import (
+    Generation,
+    finish,
+    first_choice,
+    logprob_problem,
+    prompt_problem,
+)
+
+NAME = "sglang"
+CHAT_PATH = "/v1/chat/completions"
+TOKENS_PATH = "/generate"
+CHAT_PARAMS: dict[str, Any] = {
+    "logprobs": True,
+    "top_logprobs": 0,
+    "return_token_ids": True,
+    "return_meta_info": True,
+    "n": 1,
+    "stream": False,
+}
+NO_IDS = (
+    "the engine returned no response_token_ids although return_token_ids was requested "
+    "(SGLang >= 0.5.17 returns them)"
+)
+# Sampling keys of a chat request and their /generate names.
+_SAMPLING_NAMES = {"max_tokens": "max_new_tokens"}
+
+
+def predates_token_ids(version: Any) -> bool:
+    """SGLang has no id-less fallback: an engine without the fields is marked incomplete."""
+    return False
+
+
+def chat_body(
+    chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The body sent upstream, and which sampling keys the overrides replaced or added."""
+    body = {**chat_request, "model": model, **CHAT_PARAMS}
+    body.pop("stream_options", None)
+    body.update(overrides)
+    return body, tuple(sorted(overrides))
+
+
+def _triples(meta_info: Any) -> tuple[list[int] | None, list[Any] | None, str | None]:
+    """Ids and values of ``meta_info.output_token_logprobs``, or why they cannot be read."""
+    triples = meta_info.get("output_token_logprobs") if isinstance(meta_info, Mapping) else None
+    if not isinstance(triples, list):
+        return (
+            None,
+            None,
+            (
+                "the engine returned no meta_info.output_token_logprobs although return_meta_info "
+                "and logprobs were requested (SGLang >= 0.5.13)"
+            ),
+        )
+    if not all(isinstance(t, list) and len(t) >= 2 for t in triples):
+        return None, None, "meta_info.output_token_logprobs holds an entry that is no triple"
+    return [t[1] for t in triples], [t[0] for t in triples], None
+
+
+def _values(values: list[Any]) -> tuple[list[float] | None, str | None]:
+    for position, value in enumerate(values):
+        problem = logprob_problem(value)
+        if problem is not None:
+            return None, f"log-prob {position} {problem}"
+    return [float(value) for value in values], None
+
+
+def _chat_ids(choice: Mapping[str, Any]) -> tuple[list[int] | None, list[float] | None, str | None]:
+    """The generated ids (response_token_ids, checked against the triples) and log-probs."""
+    ids = choice.get("response_token_ids", choice.get("token_ids"))
+    if ids is None:
+        return None, None, NO_IDS
+    triple_ids, triple_values, problem = _triples(choice.get("meta_info"))
+    if problem is not None:
+        return None, None, problem
+    if triple_ids != ids:
+        count = len(ids) if isinstance(ids, list) else "no list of"
+        return (
+            None,
+            None,
+            (
+                f"response_token_ids ({count} ids) and meta_info.output_token_logprobs "
+                f"({len(triple_ids or [])} ids) disagree"
+            ),
+        )
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+    if not isinstance(content, list) or len(content) != len(ids):
+        return None, None, "logprobs.content does not hold one entry per generated id"
+    if [item.get("logprob") if isinstance(item, Mapping) else item for item in content] != (
+        triple_values
+    ):
+        return None, None, "logprobs.content and meta_info.output_token_logprobs disagree"
+    log_probs, problem = _values(triple_values or [])
+    return (ids, log_probs, None) if problem is None else (None, None, problem)
+
+
+def read_chat(
+    response: Mapping[str, Any],
+    overridden_keys: tuple[str, ...] = (),
+    *,
+    legacy: bool = False,
+    vocab_size: int | None = None,
+) -> Generation:
+    """Reduce a chat-completions response; ``ids_problem`` says why ids are unusable."""
+    choice, message = first_choice(response)
+    ids, log_probs, problem = _chat_ids(choice)
+    usage = response.get("usage")
+    generation = Generation(
+        response=dict(response),
+        message=dict(message),
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("matched_stop"),
+        prompt_token_ids=choice.get("prompt_token_ids"),
+        generation_token_ids=ids,
+        generation_log_probs=log_probs,
+        ids_problem=None,
+        overridden_keys=overridden_keys,
+        usage=dict(usage) if isinstance(usage, Mapping) else {},
+    )
+    if problem is None:
+        missing = "the engine returned no prompt_token_ids although return_token_ids was requested"
+        problem = prompt_problem(
+            generation.prompt_token_ids, generation.usage, vocab_size, missing=missing
+        )
+    return finish(generation, problem, vocab_size)
+
+
+def tokens_body(
+    prompt_ids: list[int], model: str, sampling: Mapping[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """A token-in call: ``/generate`` with ``input_ids``, log-probs of the output only."""
+    params = {_SAMPLING_NAMES.get(key, key): value for key, value in sampling.items()}
+    params.setdefault("skip_special_tokens", False)
+    body = {
+        "input_ids": list(prompt_ids),
+        "sampling_params": params,
+        "return_logprob": True,
+        "top_logprobs_num": 0,
+        "return_text_in_logprobs": False,
+        "stream": False,
+    }
+    return TOKENS_PATH, body
+
+
+def read_tokens(
+    response: Mapping[str, Any], prompt_ids: list[int], *, vocab_size: int | None = None
+) -> Generation:
+    """Reduce a ``/generate`` reply; the counts it reports must match what was sent and got."""
+    meta = response.get("meta_info") if isinstance(response.get("meta_info"), Mapping) else {}
+    ids = response.get("output_ids")
+    triple_ids, triple_values, problem = _triples(meta)
+    if problem is None and triple_ids != ids:
+        problem = "output_ids and meta_info.output_token_logprobs disagree"
+    log_probs, value_problem = _values(triple_values or []) if problem is None else (None, None)
+    finish_reason = meta.get("finish_reason")
+    reason = finish_reason if isinstance(finish_reason, Mapping) else {}
+    usage = {key: meta[key] for key in ("prompt_tokens", "completion_tokens") if key in meta}
+    generation = Generation(
+        response=dict(response),
+        message={"role": "assistant", "content": str(response.get("text") or "")},
+        finish_reason=reason.get("type"),
+        stop_reason=reason.get("matched"),
+        prompt_token_ids=list(prompt_ids),
+        generation_token_ids=ids if isinstance(ids, list) else None,
+        generation_log_probs=log_probs,
+        ids_problem=None,
+        usage=usage,
+    )
+    problem = problem or value_problem
+    if problem is None:
+        problem = prompt_problem(list(prompt_ids), usage, vocab_size)
+    return finish(generation, problem, vocab_size)

@@ -1,0 +1,228 @@
+"""The vLLM adapter, following vLLM 0.10.2's OpenAI-compatible server.
+
+Sources: ``vllm/entrypoints/openai/protocol.py`` (``ChatCompletionRequest.return_token_ids``,
+``ChatCompletionResponse.prompt_token_ids``, ``ChatCompletionResponseChoice.token_ids``,
+``ChatCompletionLogProb.logprob = -9999.0``, ``CompletionResponseChoice``) and
+``serving_chat.py`` / ``serving_completion.py`` of the v0.10.2 tag.
+
+A chat call asks for the ids twice: ``return_token_ids`` (top-level ``prompt_token_ids``,
+per-choice ``token_ids``) and ``logprobs`` with ``return_tokens_as_token_ids``
+(``"token_id:N"`` tokens); the two must agree. vLLM writes ``-9999.0`` for a log-prob it does
+not have (and for ``-inf``, clamped), so that value is missing, never a real one. An engine
+before 0.10.2 (known from ``GET /version``) has no ``token_ids``: its generated ids come from
+the log-prob tokens alone and its prompt ids from ``/tokenize``; no other engine may do that.
+A token-in call is ``/v1/completions`` with the prompt as ids; there both arrays are per
+choice, and the log-probs are the legacy ``tokens`` / ``token_logprobs`` lists.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from api.generation import (
+    Generation,
+    UpstreamError,
+    finish,
+    first_choice,
+    logprob_problem,
+    prompt_problem,
+)
+
+NAME = "vllm"
+CHAT_PATH = "/v1/chat/completions"
+TOKENS_PATH = "/v1/completions"
+# What every chat call asks for; the id capture depends on these.
+CHAT_PARAMS: dict[str, Any] = {
+    "logprobs": True,
+    "top_logprobs": 0,
+    "return_tokens_as_token_ids": True,
+    "return_token_ids": True,
+    "n": 1,
+    "stream": False,
+}
+TOKEN_ID_PREFIX = "token_id:"
+# What vLLM writes for a log-prob it does not have (and for -inf, clamped).
+LOGPROB_PLACEHOLDER = -9999.0
+# The first vLLM release that answers return_token_ids (prompt_token_ids, token_ids).
+TOKEN_IDS_SINCE = (0, 10, 2)
+_RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+NO_PROMPT_IDS = (
+    "the engine returned no prompt_token_ids although return_token_ids was requested "
+    "(vLLM >= 0.10.2 returns them; an older engine must say so at GET /version)"
+)
+
+
+def predates_token_ids(version: Any) -> bool:
+    """Whether a ``GET /version`` answer names a vLLM before 0.10.2 (no ``return_token_ids``).
+
+    Only the release numbers count, so a 0.10.2 pre-release or dev build is modern: if it
+    lacks the fields its calls are marked incomplete, never captured from ``/tokenize``. A
+    version that cannot be read is modern for the same reason.
+    """
+    match = _RELEASE.match(version) if isinstance(version, str) else None
+    if match is None:
+        return False
+    release = tuple(int(part or 0) for part in match.groups())
+    return release < TOKEN_IDS_SINCE
+
+
+def chat_body(
+    chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The body sent upstream, and which sampling keys the overrides replaced or added."""
+    body = {**chat_request, "model": model, **CHAT_PARAMS}
+    body.pop("stream_options", None)
+    body.update(overrides)
+    return body, tuple(sorted(overrides))
+
+
+def _token_id(token: Any) -> int | None:
+    """N of a ``"token_id:N"`` log-prob token; None for anything else (strictly digits)."""
+    if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
+        return None
+    digits = token[len(TOKEN_ID_PREFIX) :]
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
+
+def _value_problem(value: Any) -> str | None:
+    if value is None:  # vLLM never writes null for a chat log-prob (it writes -9999.0)
+        return "is None, not a JSON number"
+    if value == LOGPROB_PLACEHOLDER:
+        return "is vLLM's placeholder -9999.0: the engine had no log-prob for this step"
+    return logprob_problem(value)
+
+
+def _read_logprobs(
+    tokens: list[Any], values: list[Any]
+) -> tuple[list[int] | None, list[float] | None, str | None]:
+    """Ids and log-probs from ``token_id:N`` tokens and their values, or why not."""
+    ids: list[int] = []
+    for position, (token, value) in enumerate(zip(tokens, values, strict=True)):
+        token_id = _token_id(token)
+        if token_id is None:
+            return None, None, f"log-prob token {position} is {token!r}, not 'token_id:N'"
+        problem = _value_problem(value)
+        if problem is not None:
+            return None, None, f"log-prob {position} (token_id:{token_id}) {problem}"
+        ids.append(token_id)
+    return ids, [float(value) for value in values], None
+
+
+def _chat_logprobs(
+    choice: Mapping[str, Any],
+) -> tuple[list[int] | None, list[float] | None, str | None]:
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+    if not isinstance(content, list):
+        return None, None, "upstream returned no log-probs"
+    if not all(isinstance(item, Mapping) for item in content):
+        return None, None, "a log-prob entry is not an object"
+    tokens = [item.get("token") for item in content]
+    values = [item.get("logprob", "missing") for item in content]
+    if "missing" in values:
+        return None, None, f"log-prob {values.index('missing')} is missing"
+    return _read_logprobs(tokens, values)
+
+
+def _both_sources(token_ids: Any, ids: list[int], legacy: bool) -> str | None:
+    """Both id sources present and equal; only an engine before 0.10.2 may lack token_ids."""
+    if token_ids is None:
+        if legacy:
+            return None
+        return (
+            "the engine returned log-prob ids but no token_ids although return_token_ids was "
+            "requested; the log-prob tokens alone are not trusted"
+        )
+    if token_ids != ids:
+        count = len(token_ids) if isinstance(token_ids, list) else "no list of"
+        return f"token_ids ({count} ids) and the log-prob tokens ({len(ids)} ids) disagree"
+    return None
+
+
+def read_chat(
+    response: Mapping[str, Any],
+    overridden_keys: tuple[str, ...] = (),
+    *,
+    legacy: bool = False,
+    vocab_size: int | None = None,
+) -> Generation:
+    """Reduce a chat-completions response; ``ids_problem`` says why ids are unusable.
+
+    ``legacy`` (an engine before vLLM 0.10.2) lets ``token_ids`` and ``prompt_token_ids`` be
+    absent; the prompt ids are then None for the caller to read from ``/tokenize``.
+    """
+    choice, message = first_choice(response)
+    ids, log_probs, problem = _chat_logprobs(choice)
+    usage = response.get("usage")
+    generation = Generation(
+        response=dict(response),
+        message=dict(message),
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        prompt_token_ids=response.get("prompt_token_ids"),
+        generation_token_ids=ids,
+        generation_log_probs=log_probs,
+        ids_problem=None,
+        overridden_keys=overridden_keys,
+        usage=dict(usage) if isinstance(usage, Mapping) else {},
+    )
+    problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy)
+    if problem is None and not (legacy and generation.prompt_token_ids is None):
+        problem = prompt_problem(
+            generation.prompt_token_ids, generation.usage, vocab_size, missing=NO_PROMPT_IDS
+        )
+    return finish(generation, problem, vocab_size)
+
+
+def tokens_body(
+    prompt_ids: list[int], model: str, sampling: Mapping[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """A token-in call: ``/v1/completions`` with the prompt as ids, asking for the ids back."""
+    body = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "n": 1,
+        "stream": False,
+        **sampling,
+    }
+    return TOKENS_PATH, body
+
+
+def read_tokens(
+    response: Mapping[str, Any], prompt_ids: list[int], *, vocab_size: int | None = None
+) -> Generation:
+    """Reduce a token-in completion; its prompt ids must be exactly the ones sent."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        raise UpstreamError(502, "upstream answered without a choice")
+    choice = choices[0]
+    logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), Mapping) else {}
+    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values):
+        ids, log_probs, problem = None, None, "upstream returned no log-probs"
+    else:
+        ids, log_probs, problem = _read_logprobs(tokens, values)
+    usage = response.get("usage")
+    generation = Generation(
+        response=dict(response),
+        message={"role": "assistant", "content": str(choice.get("text") or "")},
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        prompt_token_ids=list(prompt_ids),
+        generation_token_ids=ids,
+        generation_log_probs=log_probs,
+        ids_problem=None,
+        usage=dict(usage) if isinstance(usage, Mapping) else {},
+    )
+    problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy=False)
+    if problem is None and choice.get("prompt_token_ids") != list(prompt_ids):
+        problem = "the engine's prompt_token_ids are not the prompt ids sent"
+    if problem is None:
+        problem = prompt_problem(list(prompt_ids), generation.usage, vocab_size)
+    return finish(generation, problem, vocab_size)
