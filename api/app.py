@@ -196,15 +196,7 @@ async def _lifespan(app: FastAPI, settings: ServerSettings, slot: SinkSlot) -> A
     """This worker's sink (into the slot the router reads) and upstream client, then closed."""
     sink, owned = await _start_sink(settings)
     slot.sink = sink
-    app.state.upstream = UpstreamClient(
-        settings.upstream,
-        model=settings.model,
-        sampling_overrides=settings.sampling_overrides,
-        timeout_s=settings.upstream_timeout_s,
-        vocab_size=settings.vocab_size,
-        engine=settings.engine,
-        api_key=settings.upstream_api_key,
-    )
+    app.state.upstream = UpstreamClient.from_settings(settings)
     try:
         yield
     finally:

@@ -14,7 +14,9 @@ import os
 import sys
 from collections.abc import Iterator
 
-from api.settings import ENV_CONFIG, settings_from_environment
+from api.probe import probe
+from api.settings import ENV_CONFIG, ServerSettings, settings_from_environment
+from api.upstream import where
 from capture.errors import ConfigError
 
 
@@ -25,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     parser.add_argument("--upstream", help="engine URL; overrides model_server.upstream")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    parser.add_argument(
+        "--skip-probe",
+        action="store_true",
+        help="start without the engine probe (one short call that checks ids and log-probs)",
+    )
     # uvicorn's event loop and HTTP parser; auto takes uvloop and httptools (uvicorn[standard]).
     parser.add_argument(
         "--loop",
@@ -65,18 +72,11 @@ def exported(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    variables = worker_environment(args)
-    try:
-        # Fail here, once, on a bad config.
-        settings = settings_from_environment({**os.environ, **variables})
-        # Build the sink once (path, kwargs, structural checks); each worker builds its own.
-        sink = settings.build_sink()
-    except ConfigError as exc:
-        print(f"tokcap serve: {exc}", file=sys.stderr)
-        return 2
+def _checked_settings(variables: dict[str, str]) -> tuple[ServerSettings, str]:
+    """The settings and a word on capture; ConfigError on a bad config or sink (once, here)."""
+    settings = settings_from_environment({**os.environ, **variables})
+    # Build the sink once (path, kwargs, structural checks); each worker builds its own.
+    sink = settings.build_sink()
     if sink is not None:
         asyncio.run(sink.close())
     capture = "off"
@@ -84,13 +84,29 @@ def run(args: argparse.Namespace) -> int:
         capture = (
             "on"
             if sink is not None
-            else ("on, but no dir or sink is configured: tagged calls are served, not captured")
+            else "on, but no dir or sink is configured: tagged calls are served, not captured"
         )
+    return settings, capture
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    variables = worker_environment(args)
+    try:
+        settings, capture = _checked_settings(variables)
+        report = None if args.skip_probe else asyncio.run(probe(settings))
+    except ConfigError as exc:  # EngineRefused included: it names the setting to change
+        print(f"tokcap serve: {exc}", file=sys.stderr)
+        return 2
+    engine = report.banner() if report is not None else f"upstream {where(settings.upstream)}"
     print(
-        f"tokcap serve: http://{args.host}:{args.port} -> upstream {settings.upstream} "
+        f"tokcap serve: http://{args.host}:{args.port} -> {engine} "
         f"(capture {capture}, {args.workers} worker(s))",
         file=sys.stderr,
     )
+    for warning in report.warnings if report is not None else ():
+        print(f"tokcap serve: warning: {warning}", file=sys.stderr)
     with exported(variables):
         uvicorn.run(
             "api.app:create_app_from_env",

@@ -124,6 +124,19 @@ class UpstreamClient:
         self._learn_lock = asyncio.Lock()
         self._learned = False
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> UpstreamClient:
+        """The client a front end's ``ServerSettings`` describe."""
+        return cls(
+            settings.upstream,
+            model=settings.model,
+            sampling_overrides=settings.sampling_overrides,
+            timeout_s=settings.upstream_timeout_s,
+            vocab_size=settings.vocab_size,
+            engine=settings.engine,
+            api_key=settings.upstream_api_key,
+        )
+
     def _url(self, path: str) -> httpx.URL:
         # httpx parses a relative URL again on every request; each path is merged once.
         url = self._urls.get(path)

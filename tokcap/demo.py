@@ -178,6 +178,8 @@ def _start_serving(
     backend.services.append(front)
     front_url = f"http://127.0.0.1:{front_port}"
     front.wait_ready(front_url + "/health")
+    # The front end's start-up probe sampled too; the rollouts' ground truth starts now.
+    httpx.delete(engine_url + "/tokcap/ground_truth", timeout=30).raise_for_status()
     return engine_url, front_url
 
 

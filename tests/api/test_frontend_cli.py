@@ -91,6 +91,8 @@ def test_tokcap_serve_with_two_workers_captures_every_call(tmp_path: Path) -> No
             "warning",
         ]
         with run_process(args, ready_url=f"http://127.0.0.1:{port}/health"):
+            # The start-up probe sampled too; the ground truth is the harness's calls.
+            httpx.delete(engine + "/tokcap/ground_truth").raise_for_status()
             base = f"http://127.0.0.1:{port}/ng-rollout/{rollout_id}/training-token-capture"
             for number in range(6):
                 # A new client per call: new connections, spread over both workers.

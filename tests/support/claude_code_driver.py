@@ -72,6 +72,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         servers.append(frontend)
         wait_http(frontend_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=frontend.proc)
         summary["servers_ready_s"] = round(time.monotonic() - started, 2)
+        # The front end's start-up probe sampled too; the ground truth is the CLI's calls.
+        httpx.delete(engine_url + "/tokcap/ground_truth", timeout=30).raise_for_status()
 
         base_url = f"{frontend_url}/ng-rollout/{spec['rollout_id']}/training-token-capture"
         claude_started = time.monotonic()

@@ -1,0 +1,152 @@
+"""The start-up probe: one short call that proves the engine returns what capture needs.
+
+``tokcap serve`` runs it before the server accepts traffic. It refuses (``EngineRefused``,
+exit 2) an engine that returns no token ids or no log-probs, and one that returns raw
+log-probs (before temperature) while ``sampling_overrides`` samples at another temperature:
+the trainer's importance ratios would then compare against a distribution that was never
+sampled from. Raw log-probs are told apart with two one-token calls on the same prompt, at
+temperature 1 and at the override's: the alternatives' log-probs at the first position
+differ only if the engine applies the temperature to them. It warns, naming them, about the
+sampling keys an engine's generation config may set (vLLM ``--generation-config auto``,
+SGLang ``--sampling-defaults model``) that ``sampling_overrides`` does not pin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.generation import UpstreamError
+from api.upstream import UpstreamClient
+from capture.errors import ConfigError
+
+PROBE_MESSAGES = [{"role": "user", "content": "Reply with one word: ready."}]
+# Sampling keys an engine's generation config may set when a request leaves them out.
+CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+ALTERNATIVES = 5
+SAME = 1e-6  # log-probs this close are the same value
+HINTS = {
+    "ids": {
+        "vllm": "run vLLM >= 0.10.2 (return_token_ids); an older vLLM must answer GET /version",
+        "sglang": "run SGLang >= 0.5.17 (return_token_ids, return_meta_info)",
+    },
+    "logprobs": {
+        "vllm": "vLLM must allow log-probs (--max-logprobs >= 1)",
+        "sglang": "SGLang must return log-probs (return_logprob; do not disable it)",
+    },
+    "raw": {
+        "vllm": "start vLLM with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)",
+        "sglang": "SGLang returns log-probs before temperature here; use temperature 1.0",
+    },
+}
+
+
+class EngineRefused(ConfigError):
+    """The engine cannot give exact training ids as configured; the message says what to change."""
+
+
+@dataclass
+class EngineReport:
+    """What the probe found, for the start-up banner."""
+
+    family: str
+    where: str
+    max_model_len: int | None
+    warnings: list[str] = field(default_factory=list)
+
+    def banner(self) -> str:
+        length = self.max_model_len or "unknown"
+        return f"engine {self.family} at {self.where} (max_model_len {length})"
+
+
+def _hint(kind: str, family: str) -> str:
+    return HINTS[kind].get(family, HINTS[kind]["vllm"])
+
+
+def _refusal(problem: str, family: str) -> str:
+    """The refusal message of an ids problem, with the setting that fixes it."""
+    kind = "logprobs" if "log-prob" in problem else "ids"
+    return f"the engine's reply cannot be captured ({problem}): {_hint(kind, family)}"
+
+
+def unpinned_keys(overrides: Mapping[str, Any]) -> list[str]:
+    return [key for key in CONFIG_SAMPLING_KEYS if key not in overrides]
+
+
+async def _alternatives(client: UpstreamClient, temperature: float) -> dict[str, float]:
+    """The first position's top alternatives (token -> log-prob) at ``temperature``."""
+    adapter = client.adapter
+    model = await client.model_name(None)
+    request = {"messages": PROBE_MESSAGES, "max_tokens": 1}
+    body, _ = adapter.chat_body(request, model, client.sampling_overrides)
+    body.update(temperature=temperature, top_logprobs=ALTERNATIVES, seed=0)
+    response = await client._post(adapter.CHAT_PATH, body)
+    choices = response.get("choices") or [{}]
+    content = (choices[0].get("logprobs") or {}).get("content") or [{}]
+    tops = content[0].get("top_logprobs") or []
+    return {
+        str(top.get("token")): float(top["logprob"])
+        for top in tops
+        if isinstance(top, Mapping) and isinstance(top.get("logprob"), (int, float))
+    }
+
+
+async def logprobs_are_raw(client: UpstreamClient, temperature: float) -> bool | None:
+    """Whether the engine's log-probs ignore ``temperature``; None when it cannot be told."""
+    at_one = await _alternatives(client, 1.0)
+    at_t = await _alternatives(client, temperature)
+    common = set(at_one) & set(at_t)
+    if not common:
+        return None
+    return all(abs(at_one[token] - at_t[token]) < SAME for token in common)
+
+
+async def probe_engine(client: UpstreamClient) -> EngineReport:
+    """Probe the engine behind ``client``; EngineRefused says what to change."""
+    generation = await client.chat({"messages": PROBE_MESSAGES, "max_tokens": 8})
+    await client.learn()
+    family = client.engine
+    if generation.ids_problem is not None:
+        raise EngineRefused(_refusal(generation.ids_problem, family))
+    temperature = client.sampling_overrides.get("temperature")
+    if isinstance(temperature, (int, float)) and temperature > 0 and abs(temperature - 1) > SAME:
+        if await logprobs_are_raw(client, float(temperature)):
+            raise EngineRefused(
+                f"the engine returns log-probs before temperature, but sampling_overrides "
+                f"samples at temperature {temperature}: {_hint('raw', family)}"
+            )
+    report = EngineReport(family, client.where, client.max_model_len)
+    unpinned = unpinned_keys(client.sampling_overrides)
+    if unpinned:
+        report.warnings.append(
+            f"sampling_overrides does not pin {', '.join(unpinned)}: the engine's generation "
+            "config (vLLM --generation-config auto, SGLang --sampling-defaults model) may set "
+            "them, and the trainer would not know the distribution sampled from; pin them "
+            "(e.g. top_k: -1, min_p: 0.0, repetition_penalty: 1.0)"
+        )
+    return report
+
+
+async def probe(settings: Any) -> EngineReport:
+    """Probe the engine ``settings`` names, with its own short-lived client.
+
+    An engine that cannot be reached is not refused (it may still be starting): the report
+    says the probe was skipped, and every call is checked on its own anyway.
+    """
+    client = UpstreamClient.from_settings(settings)
+    try:
+        return await probe_engine(client)
+    except UpstreamError as exc:
+        if exc.status == 401:
+            raise EngineRefused(
+                "the engine answered 401 Unauthorized: set model_server.upstream_api_key "
+                "(for example ${oc.env:TOKCAP_UPSTREAM_API_KEY}) to the key it was started with"
+            ) from exc
+        if "unreachable" in exc.message:
+            report = EngineReport(client.engine, client.where, None)
+            report.warnings.append(f"probe skipped: {exc.message}")
+            return report
+        raise EngineRefused(f"the probe call failed: {exc.message}") from exc
+    finally:
+        await client.close()
