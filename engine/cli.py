@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .settings import EngineSettings, load_generation_config
+from .settings import WIRES, EngineSettings, load_generation_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--model", default="tokcap-engine", help="served model name")
+    parser.add_argument(
+        "--wire",
+        choices=list(WIRES),
+        default="vllm",
+        help="whose HTTP format to speak: vLLM 0.10.2's or SGLang 0.5.23's (default: vllm)",
+    )
     parser.add_argument("--policy", choices=["scripted", "random"], default="scripted")
     parser.add_argument("--script", default=None, help="YAML script for the scripted policy")
     parser.add_argument("--seed", type=int, default=0)
@@ -58,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     settings = EngineSettings(
         model=args.model,
+        wire=args.wire,
         policy=args.policy,
         script_path=args.script,
         seed=args.seed,

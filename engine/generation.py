@@ -32,7 +32,18 @@ _PROBE = "A"
 
 
 class ContextLengthError(ValueError):
-    """The request does not fit the model's context (vLLM answers 400)."""
+    """The request does not fit the model's context; each wire words it as its engine does.
+
+    ``requested`` is the completion budget asked for, or None when the prompt alone leaves
+    no room (both engines word that case apart).
+    """
+
+    def __init__(self, limit: int, prompt_tokens: int, requested: int | None) -> None:
+        self.limit = limit
+        self.prompt_tokens = prompt_tokens
+        self.requested = requested
+        wanted = "" if requested is None else f" plus {requested} to generate"
+        super().__init__(f"{prompt_tokens} prompt tokens{wanted} exceed the context of {limit}")
 
 
 class ScriptedError(Exception):
@@ -94,18 +105,14 @@ class Engine:
         )
 
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
-        """The effective max_tokens, or ContextLengthError as vLLM words it."""
+        """The effective max_tokens (all the room left when None), or ContextLengthError."""
         limit = self.settings.max_model_len
         room = limit - prompt_len
-        wanted = max_tokens if max_tokens is not None else room
-        if room <= 0 or wanted > room:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {prompt_len + wanted} tokens ({prompt_len} in the messages, "
-                f"{wanted} in the completion). Please reduce the length of the messages "
-                "or completion."
-            )
-        return wanted
+        if room <= 0:
+            raise ContextLengthError(limit, prompt_len, None)
+        if max_tokens is not None and max_tokens > room:
+            raise ContextLengthError(limit, prompt_len, max_tokens)
+        return room if max_tokens is None else max_tokens
 
     # -- generation ---------------------------------------------------------------------
     def _base_seed(self, seed: int | None) -> int:

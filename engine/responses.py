@@ -82,7 +82,7 @@ def chat_logprobs(tokenizer: EngineTokenizer, steps: list[Step], opts: ReplyOpti
     return {"content": content}
 
 
-def _message_content(gen: Generation) -> str | None:
+def message_content(gen: Generation) -> str | None:
     """Like vLLM: null beside tool calls or reasoning when nothing else was said."""
     if gen.parsed.tool_calls or gen.parsed.reasoning is not None:
         return gen.parsed.content
@@ -92,7 +92,7 @@ def _message_content(gen: Generation) -> str | None:
 def chat_message(gen: Generation) -> dict:
     return {
         "role": "assistant",
-        "content": _message_content(gen),
+        "content": message_content(gen),
         "refusal": None,
         "annotations": None,
         "audio": None,
@@ -162,6 +162,27 @@ def _chat_delta(gen: Generation, start: int, end: int, emitted_calls: int) -> tu
     return delta, emitted_calls
 
 
+def chat_deltas(gens: list[Generation]) -> Iterator[tuple[Generation, int, dict, bool]]:
+    """Token by token, choices interleaved: (generation, position, delta, whether last).
+
+    A stream sends one chunk per generated token, as vLLM does without a parser holding
+    tokens back; the last token's delta carries whatever text the stop trimming left.
+    """
+    offsets = [0] * len(gens)
+    emitted = [0] * len(gens)
+    longest = max((len(g.token_ids) for g in gens), default=0)
+    for position in range(longest):
+        for n, gen in enumerate(gens):
+            if position >= len(gen.token_ids):
+                continue
+            start = offsets[n]
+            end = start + len(gen.deltas[position])
+            offsets[n] = end
+            last = position == len(gen.token_ids) - 1
+            delta, emitted[n] = _chat_delta(gen, start, len(gen.text) if last else end, emitted[n])
+            yield gen, position, delta, last
+
+
 def chat_stream(
     tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions
 ) -> Iterator[str]:
@@ -189,33 +210,22 @@ def chat_stream(
         if opts.continuous_usage:
             chunk["usage"] = usage(prompt_len, 0)
         yield _sse(chunk, opts)
-    offsets = [0] * len(gens)
-    emitted = [0] * len(gens)
-    longest = max((len(g.token_ids) for g in gens), default=0)
-    for position in range(longest):
-        for n, gen in enumerate(gens):
-            if position >= len(gen.token_ids):
-                continue
-            start = offsets[n]
-            end = start + len(gen.deltas[position])
-            offsets[n] = end
-            last = position == len(gen.token_ids) - 1
-            delta, emitted[n] = _chat_delta(gen, start, len(gen.text) if last else end, emitted[n])
-            choice = {
-                "index": gen.index,
-                "delta": delta,
-                "logprobs": chat_logprobs(tokenizer, gen.steps[position : position + 1], opts)
-                if opts.logprobs
-                else None,
-                "finish_reason": gen.finish_reason if last else None,
-                "token_ids": [gen.token_ids[position]] if opts.return_token_ids else None,
-            }
-            if last:
-                choice["stop_reason"] = gen.stop_reason
-            chunk = {**head, "choices": [choice]}
-            if opts.continuous_usage:
-                chunk["usage"] = usage(prompt_len, position + 1)
-            yield _sse(chunk, opts)
+    for gen, position, delta, last in chat_deltas(gens):
+        choice = {
+            "index": gen.index,
+            "delta": delta,
+            "logprobs": chat_logprobs(tokenizer, gen.steps[position : position + 1], opts)
+            if opts.logprobs
+            else None,
+            "finish_reason": gen.finish_reason if last else None,
+            "token_ids": [gen.token_ids[position]] if opts.return_token_ids else None,
+        }
+        if last:
+            choice["stop_reason"] = gen.stop_reason
+        chunk = {**head, "choices": [choice]}
+        if opts.continuous_usage:
+            chunk["usage"] = usage(prompt_len, position + 1)
+        yield _sse(chunk, opts)
     if opts.include_usage:
         total = sum(len(g.token_ids) for g in gens)
         yield _sse({**head, "choices": [], "usage": usage(prompt_len, total)}, opts)

@@ -1,5 +1,8 @@
 """Settings of one tokcap engine: what it serves, how it speaks, and what it gets wrong.
 
+``wire`` is the engine whose HTTP format it speaks: ``vllm`` (vLLM 0.10.2's OpenAI server)
+or ``sglang`` (SGLang 0.5.23's OpenAI routes and native ``/generate``).
+
 The generation config holds the defaults applied when a request omits a sampling field,
 as vLLM applies a model's ``generation_config.json``; it can come from a YAML file with
 keys ``temperature``, ``top_p`` and ``max_tokens``.
@@ -13,11 +16,13 @@ from pathlib import Path
 import yaml
 
 GENERATION_KEYS = ("temperature", "top_p", "max_tokens")
+WIRES = ("vllm", "sglang")
 
 
 @dataclass
 class EngineSettings:
     model: str = "tokcap-engine"
+    wire: str = "vllm"  # "vllm" | "sglang"
     policy: str = "scripted"  # "scripted" | "random"
     script_path: str | None = None  # None: engine/assets/default_script.yaml
     seed: int = 0
@@ -36,6 +41,8 @@ class EngineSettings:
     )
 
     def __post_init__(self) -> None:
+        if self.wire not in WIRES:
+            raise ValueError(f"wire must be 'vllm' or 'sglang', not {self.wire!r}")
         if self.policy not in ("scripted", "random"):
             raise ValueError(f"policy must be 'scripted' or 'random', not {self.policy!r}")
         if not 0.0 <= self.noncanonical_rate <= 1.0:

@@ -1,0 +1,222 @@
+"""vLLM 0.10.2's OpenAI-compatible routes, as the engine speaks them by default.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokenize``,
+``POST /detokenize``, ``GET /v1/models``, ``GET /version``. Errors use vLLM's body
+``{"error": {"message", "type", "param", "code"}}``; an invalid body is a 400, as in vLLM,
+not FastAPI's 422; a prompt that does not fit is refused in vLLM 0.10.2's words
+(``serving_engine.py`` ``_validate_input``). Any ``model`` name is accepted (vLLM would
+answer 404 for a name it does not serve); replies carry the served name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from http import HTTPStatus
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from api.jsonbytes import JSONBytesResponse
+
+from . import calls, responses
+from .generation import ContextLengthError, Engine, ScriptedError
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+
+_STATUSES = {status.value for status in HTTPStatus}
+VLLM_VERSION = "0.10.2"  # the vLLM release whose OpenAI server shapes this engine follows
+# What /version says while token_id_fields is off: a vLLM from before return_token_ids, so a
+# client reading the version (api.upstream) takes the engine for the old one it emulates.
+LEGACY_VLLM_VERSION = "0.10.1"
+
+
+def error_response(message: str, status: int = 400, kind: str = "BadRequestError") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def context_message(exc: ContextLengthError) -> str:
+    """vLLM 0.10.2's words for a request that does not fit (``serving_engine.py``)."""
+    limit, prompt = exc.limit, exc.prompt_tokens
+    if exc.requested is None:
+        return (
+            f"This model's maximum context length is {limit} tokens. However, your request "
+            f"has {prompt} input tokens. Please reduce the length of the input messages."
+        )
+    wanted = exc.requested
+    return (
+        f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. This model's "
+        f"maximum context length is {limit} tokens and your request has {prompt} input "
+        f"tokens ({wanted} > {limit} - {prompt})."
+    )
+
+
+def _options(
+    engine: Engine,
+    req: SamplingFields,
+    response_id: str,
+    prompt_ids: list[int],
+    logprobs: bool,
+    top_logprobs: int,
+) -> responses.ReplyOptions:
+    stream_options = req.stream_options
+    return responses.ReplyOptions(
+        response_id=response_id,
+        created=int(time.time()),
+        model=engine.settings.model,  # vLLM answers with the served name
+        prompt_ids=prompt_ids,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        as_token_ids=bool(req.return_tokens_as_token_ids),
+        return_token_ids=bool(req.return_token_ids) and engine.settings.token_id_fields,
+        id_fields=engine.settings.token_id_fields,
+        include_usage=bool(stream_options and stream_options.include_usage),
+        continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
+    )
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(str(exc.errors()))
+
+
+async def _too_long(_: Request, exc: ContextLengthError) -> JSONResponse:
+    return error_response(context_message(exc))
+
+
+async def _scripted(_: Request, exc: ScriptedError) -> JSONResponse:
+    kind = HTTPStatus(exc.status).phrase.replace(" ", "") if exc.status in _STATUSES else "Error"
+    return error_response(exc.message, exc.status, kind)
+
+
+async def version(request: Request) -> dict:
+    fields = _engine(request).settings.token_id_fields
+    return {"version": VLLM_VERSION if fields else LEGACY_VLLM_VERSION}
+
+
+def _permission(created: int) -> dict:
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
+async def models(request: Request) -> dict:
+    settings = _engine(request).settings
+    created = int(time.time())
+    card = {
+        "id": settings.model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": settings.model,
+        "parent": None,
+        "max_model_len": settings.max_model_len,
+        "permission": [_permission(created)],
+    }
+    return {"object": "list", "data": [card]}
+
+
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    engine = _engine(request)
+    top = req.top_logprobs or 0
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    call = calls.run_chat(engine, req, response_id, top)
+    opts = _options(engine, req, response_id, call.prompt_ids, bool(req.logprobs), top)
+    if req.stream:
+        return StreamingResponse(
+            responses.chat_stream(engine.tokenizer, call.generations, opts),
+            media_type="text/event-stream",
+        )
+    return JSONBytesResponse(responses.chat_completion(engine.tokenizer, call.generations, opts))
+
+
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    engine = _engine(request)
+    prompts = req.prompts
+    if not prompts:
+        return error_response("prompt must not be empty")
+    for prompt in prompts:
+        refused = calls.out_of_vocabulary(engine, prompt) if isinstance(prompt, list) else None
+        if refused is not None:
+            return error_response(refused)
+    top = req.logprobs or 0
+    first = prompts[0]
+    first_ids = first if isinstance(first, list) else engine.tokenizer.encode(first)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    opts = _options(engine, req, response_id, first_ids, req.logprobs is not None, top)
+    sampling = calls.sampling(engine, req, req.max_tokens, max(1, top))
+    n = req.n or 1
+    batches = []
+    for prompt in prompts:
+        prompt_ids, conversation = calls.token_prompt(engine, prompt)
+        gens = engine.generate(prompt_ids, conversation, sampling, n=n, request_id=opts.response_id)
+        batches.append((prompt_ids, gens))
+    if req.stream:
+        return StreamingResponse(
+            responses.completion_stream(engine.tokenizer, batches, opts, n),
+            media_type="text/event-stream",
+        )
+    return JSONBytesResponse(responses.completion(engine.tokenizer, batches, opts, n))
+
+
+async def tokenize(req: TokenizeRequest, request: Request) -> Response:
+    engine = _engine(request)
+    if req.messages is not None:
+        text = engine.render_chat(req.messages, req.tools, req.add_generation_prompt)
+    else:
+        text = req.prompt or ""
+    ids = engine.tokenizer.encode(text)
+    hf = engine.tokenizer.hf
+    strs = [hf.id_to_token(i) for i in ids] if req.return_token_strs else None
+    return JSONBytesResponse(
+        {
+            "count": len(ids),
+            "max_model_len": engine.settings.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+    )
+
+
+async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
+    engine = _engine(request)
+    refused = calls.out_of_vocabulary(engine, req.tokens)
+    if refused is not None:
+        return error_response(refused)
+    return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+ROUTES = (
+    ("/version", version, "GET"),
+    ("/v1/models", models, "GET"),
+    ("/v1/chat/completions", chat_completions, "POST"),
+    ("/v1/completions", completions, "POST"),
+    ("/tokenize", tokenize, "POST"),
+    ("/detokenize", detokenize, "POST"),
+)
+HANDLERS = (
+    (RequestValidationError, _invalid),
+    (ContextLengthError, _too_long),
+    (ScriptedError, _scripted),
+)
