@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .settings import WIRES, EngineSettings, load_generation_config
+
+API_KEY_ENV = "TOKCAP_ENGINE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(WIRES),
         default="vllm",
         help="whose HTTP format to speak: vLLM 0.10.2's or SGLang 0.5.23's (default: vllm)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' where the engine of --wire does "
+        f"(default: ${API_KEY_ENV} if set, else no key)",
     )
     parser.add_argument("--policy", choices=["scripted", "random"], default="scripted")
     parser.add_argument("--script", default=None, help="YAML script for the scripted policy")
@@ -65,6 +75,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     settings = EngineSettings(
         model=args.model,
         wire=args.wire,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         policy=args.policy,
         script_path=args.script,
         seed=args.seed,

@@ -3,7 +3,8 @@
 ``settings.wire`` picks the routes, reply shapes and error bodies: vLLM 0.10.2's
 (``engine.wire_vllm``, the default) or SGLang 0.5.23's (``engine.wire_sglang``). Both wires
 share ``GET /health`` and ``GET``/``DELETE /tokcap/ground_truth`` (every sampled sequence,
-for tests and the demo), and sample the same sequences for the same request.
+for tests and the demo), and sample the same sequences for the same request. With an
+``api_key`` each wire asks for it where its engine does (``engine.auth``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from . import wire_sglang, wire_vllm
+from .auth import ApiKeyMiddleware
 from .generation import Engine
 from .settings import EngineSettings
 
@@ -51,4 +53,6 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         app.add_exception_handler(exception, handler)
     for path, endpoint, method in (*SHARED_ROUTES, *wire.ROUTES):
         app.add_api_route(path, endpoint, methods=[method])
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key, guarded=wire.needs_key)
     return app

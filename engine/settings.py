@@ -23,6 +23,8 @@ WIRES = ("vllm", "sglang")
 class EngineSettings:
     model: str = "tokcap-engine"
     wire: str = "vllm"  # "vllm" | "sglang"
+    # Required as "Authorization: Bearer <key>" where the wire's engine requires it.
+    api_key: str | None = field(default=None, repr=False)
     policy: str = "scripted"  # "scripted" | "random"
     script_path: str | None = None  # None: engine/assets/default_script.yaml
     seed: int = 0

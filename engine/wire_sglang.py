@@ -244,3 +244,8 @@ HANDLERS = (
     (ContextLengthError, _too_long),
     (ScriptedError, _scripted),
 )
+
+
+def needs_key(path: str) -> bool:
+    """SGLang checks ``--api-key`` on every path, unknown ones too, but health and metrics."""
+    return not path.startswith(("/health", "/metrics"))

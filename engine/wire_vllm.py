@@ -220,3 +220,9 @@ HANDLERS = (
     (ContextLengthError, _too_long),
     (ScriptedError, _scripted),
 )
+
+
+def needs_key(path: str) -> bool:
+    """vLLM 0.10.2 checks ``--api-key`` on paths under ``/v1`` only (``/version``,
+    ``/tokenize`` and the rest stay open)."""
+    return path.startswith("/v1")
