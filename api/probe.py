@@ -66,7 +66,8 @@ def _hint(kind: str, family: str) -> str:
 
 def _refusal(problem: str, family: str) -> str:
     """The refusal message of an ids problem, with the setting that fixes it."""
-    kind = "logprobs" if "log-prob" in problem else "ids"
+    about_ids = "token_ids" in problem or "prompt" in problem
+    kind = "logprobs" if "log-prob" in problem and not about_ids else "ids"
     return f"the engine's reply cannot be captured ({problem}): {_hint(kind, family)}"
 
 

@@ -282,7 +282,8 @@ class UpstreamClient:
         try:
             response = await self._post(adapter.CHAT_PATH, body)
         except UpstreamError as exc:
-            clamp = self._retry_clamp(exc, body)
+            asked, sent = self._retry_clamp(exc, body)
+            clamp = (clamp[0] if clamp else asked, sent)  # what the harness asked for
             response = await self._post(adapter.CHAT_PATH, body)
         generation = adapter.read_chat(
             response, overridden, legacy=bool(self._legacy), vocab_size=self.vocab_size

@@ -392,6 +392,7 @@ REASONS = {
     "positive_logprob": "at most 0",
     "placeholder_logprob": "placeholder -9999.0",
     "no_token_ids": "no token_ids",
+    "no_logprobs": "no log-probs",
     "empty_generation": "no generated ids",
     "id_beyond_vocab": "vocabulary size",
 }

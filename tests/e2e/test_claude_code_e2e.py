@@ -210,7 +210,7 @@ async def wait_retired(redis_url: str, rollout_id: str) -> dict[str, Any]:
 
 
 def run_rollout(
-    cli: Path, redis_url: str, workdir: Path, *, nonessential_traffic: bool
+    cli: Path, redis_url: str, workdir: Path, *, nonessential_traffic: bool, wire: str = "vllm"
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """One CLI rollout through capture and rebuild: (summary, submitted record, result)."""
     rollout_id = f"cc-{uuid.uuid4().hex[:10]}"
@@ -232,6 +232,8 @@ def run_rollout(
             "7",
             "--ground-truth",
             str(workdir / "ground_truth.jsonl"),
+            "--wire",
+            wire,
         ],
         "frontend_config": str(FRONTEND_CONFIG),
         "frontend_env": {"TOKCAP_REDIS_URL": redis_url},
@@ -292,11 +294,18 @@ def assert_delivers_agent_loop(result: dict[str, Any], agent_calls: list[dict[st
         assert item["generation_log_probs"] == pytest.approx(call["logprobs"])
 
 
+@pytest.mark.parametrize("wire", ["vllm", "sglang"])
 def test_claude_code_rollout_is_rebuilt_from_sampled_ids(
-    claude_cli: Path, netns: None, redis_socket: str, worker: subprocess.Popen, tmp_path: Path
+    claude_cli: Path,
+    netns: None,
+    redis_socket: str,
+    worker: subprocess.Popen,
+    tmp_path: Path,
+    wire: str,
 ) -> None:
+    """The same rollout whichever wire the engine speaks (the front end finds it: auto)."""
     summary, record, result = run_rollout(
-        claude_cli, redis_socket, tmp_path, nonessential_traffic=False
+        claude_cli, redis_socket, tmp_path, nonessential_traffic=False, wire=wire
     )
     truth = sampled(summary)
     assert len(truth) == 2, "the agent loop is two calls: the Bash call, then the answer"

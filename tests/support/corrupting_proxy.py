@@ -72,6 +72,10 @@ def _no_token_ids(data: dict[str, Any]) -> None:
     del _choice(data)["token_ids"]
 
 
+def _no_logprobs(data: dict[str, Any]) -> None:
+    _choice(data)["logprobs"] = None
+
+
 def _no_prompt_ids(data: dict[str, Any]) -> None:
     del data["prompt_token_ids"]
 
@@ -98,6 +102,7 @@ MODES: dict[str, Callable[[dict[str, Any]], None]] = {
     "positive_logprob": _set_last_logprob(0.5),
     "placeholder_logprob": _set_last_logprob(-9999.0),
     "no_token_ids": _no_token_ids,
+    "no_logprobs": _no_logprobs,
     "empty_generation": _empty_generation,
     "id_beyond_vocab": _id_beyond_vocab,
 }
