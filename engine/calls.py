@@ -34,6 +34,7 @@ def sampling(
         if req.temperature is not None
         else defaults.get("temperature", 1.0),
         top_p=req.top_p if req.top_p is not None else defaults.get("top_p", 1.0),
+        top_k=req.top_k if req.top_k is not None else defaults.get("top_k", 0),
         max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens"),
         seed=req.seed,
         stop=req.stop_list,

@@ -6,15 +6,19 @@ import argparse
 import os
 import sys
 
-from .settings import WIRES, EngineSettings, load_generation_config
+from .settings import LOGPROBS_MODES, WIRES, EngineSettings, load_generation_config
 
 API_KEY_ENV = "TOKCAP_ENGINE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
-    parser.add_argument("--model", default="tokcap-engine", help="served model name")
+    _wire_arguments(parser)
+    _model_arguments(parser)
+    _server_arguments(parser)
+
+
+def _wire_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine speaks: whose format, behind which key, with which ids and log-probs."""
     parser.add_argument(
         "--wire",
         choices=list(WIRES),
@@ -28,6 +32,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer KEY' where the engine of --wire does "
         f"(default: ${API_KEY_ENV} if set, else no key)",
     )
+    parser.add_argument(
+        "--logprobs-mode",
+        choices=list(LOGPROBS_MODES),
+        default="processed_logprobs",
+        help="log-probs after temperature/top-k/top-p (processed) or before them (raw); "
+        "default: processed_logprobs (vLLM's default is raw_logprobs)",
+    )
+    parser.add_argument(
+        "--without-token-ids",
+        action="store_true",
+        help="answer like vLLM < 0.10.2 (SGLang < 0.5.17 with --wire sglang): no id fields",
+    )
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the engine serves and how it answers, and the knobs that make it lossy."""
+    parser.add_argument("--model", default="tokcap-engine", help="served model name")
     parser.add_argument("--policy", choices=["scripted", "random"], default="scripted")
     parser.add_argument("--script", default=None, help="YAML script for the scripted policy")
     parser.add_argument("--seed", type=int, default=0)
@@ -35,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: shipped)")
     parser.add_argument("--ground-truth", default=None, help="append sampled sequences (JSONL)")
     parser.add_argument(
-        "--generation-config", default=None, help="YAML with default temperature, top_p, max_tokens"
+        "--generation-config",
+        default=None,
+        help="YAML with default temperature, top_p, top_k, max_tokens",
     )
     parser.add_argument(
         "--noncanonical-rate",
@@ -51,11 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tool-call JSON is generated compact, re-rendered with spaces",
     )
-    parser.add_argument(
-        "--without-token-ids",
-        action="store_true",
-        help="answer like vLLM < 0.10.2: no prompt_token_ids/token_ids fields",
-    )
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument(
         "--loop",
@@ -86,6 +109,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         think_strip=args.think_strip,
         json_reserialize=args.json_reserialize,
         token_id_fields=not args.without_token_ids,
+        logprobs_mode=args.logprobs_mode,
     )
     if args.generation_config:
         settings.generation_config = load_generation_config(args.generation_config)

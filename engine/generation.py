@@ -59,6 +59,7 @@ class ScriptedError(Exception):
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: every token
     max_tokens: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -215,6 +216,14 @@ class Engine:
     ) -> Generation:
         context = list(prompt_ids)
         decoder = StreamDecoder(self.tokenizer)
+        warp = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "top_logprobs": params.top_logprobs,
+            "seed": score_seed,
+            "raw": self.settings.logprobs_mode == "raw_logprobs",
+        }
         ids: list[int] = []
         steps: list[Step] = []
         deltas: list[str] = []
@@ -224,29 +233,14 @@ class Engine:
             if len(ids) >= max_tokens:
                 break
             if planned_id >= 0:
-                step = self.model.step(
-                    context,
-                    planned_id,
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                    top_k=params.top_logprobs,
-                    seed=score_seed,
-                )
+                step = self.model.step(context, planned_id, **warp)
             else:
                 allowed = (
                     self.tokenizer.capital_word_ids
                     if planned_id == SAMPLE_FIRST
                     else self.tokenizer.word_ids
                 )
-                step = self.model.sample(
-                    context,
-                    allowed,
-                    rng,
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                    top_k=params.top_logprobs,
-                    seed=score_seed,
-                )
+                step = self.model.sample(context, allowed, rng, **warp)
             token_id = step.token_id
             ids.append(token_id)
             steps.append(step)

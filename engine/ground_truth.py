@@ -1,6 +1,8 @@
 """The ground-truth log: every sequence the engine sampled, exactly as it sampled it.
 
-Tests and the demo compare what a capture recorded against this. Each record is appended,
+Tests and the demo compare what a capture recorded against this. Its log-probs are the ones
+the engine returned (the sampled distribution's, or the raw model's with
+``logprobs_mode="raw_logprobs"``), whichever wire returned them. Each record is appended,
 as one JSON line, to a JSONL file if a path is given, and kept in memory (the latest
 ``keep`` records, as their JSON text: a 16,000-token prompt costs ~80 kB, not ~600 kB of
 Python ints) for ``GET /tokcap/ground_truth``.

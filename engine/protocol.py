@@ -29,6 +29,7 @@ class SamplingFields(OpenAIBase):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: every token
     max_tokens: int | None = Field(default=None, ge=1)
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None

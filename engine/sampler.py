@@ -2,14 +2,15 @@
 
 The policy decides what to say; this decides how likely each emitted token was, so every
 generated token carries a real log-probability under a proper distribution over the whole
-vocabulary, with temperature and top-p applied the way a sampler applies them. Where the
-policy leaves words free (the random policy's text), :meth:`PseudoModel.sample` draws them
-from the model under a grammar mask, with the request's seed.
+vocabulary: the one sampled from, after temperature, top-k and top-p (vLLM's
+``processed_logprobs``), or the model's own before them (``raw_logprobs``). Where the policy
+leaves words free (the random policy's text), :meth:`PseudoModel.sample` draws them from
+the model under a grammar mask, with the request's seed.
 
 The logits at one position are a fixed vector of ``V`` values (drawn once from a seeded
 Gaussian and sorted) laid onto the vocabulary by a permutation chosen by a hash of
 (context tail, position, seed); the planned token is lifted above the best of them by a
-hashed margin, so it is always the top token and always inside any top-p nucleus. Because
+hashed margin, so it is always the top token and always inside any top-k or top-p cut. Because
 a permutation does not change the multiset of logits, the normaliser comes from prefix
 sums computed once per temperature: each step costs a hash and a binary search, not ``V``
 exponentials.
@@ -88,14 +89,16 @@ class PseudoModel:
         temperature: float,
         top_p: float,
         top_k: int = 0,
+        top_logprobs: int = 0,
         seed: int = 0,
+        raw: bool = False,
     ) -> Step:
         """Draw a token from the model restricted to ``allowed`` (a grammar mask).
 
         The logits are the unlifted permuted ones; tokens outside ``allowed`` are masked out
-        as constrained decoding masks them. Temperature and top-p apply to what is left and
-        the draw uses ``rng``; the log-prob reported is the drawn token's under exactly the
-        distribution it was drawn from.
+        as constrained decoding masks them. Temperature, top-k and top-p apply to what is
+        left and the draw uses ``rng``. The log-prob reported is the drawn token's under
+        exactly that distribution, or with ``raw`` under the masked model before them.
         """
         offset, _ = self._position_hash(context, seed)
         greedy = temperature <= 0
@@ -103,34 +106,26 @@ class PseudoModel:
         logits = [(self._base[self._rank(t, offset)], t) for t in allowed]
         best = max(value for value, _ in logits)
         weights = sorted(((math.exp((v - best) / temp), t) for v, t in logits), reverse=True)
-        kept = weights
-        if not greedy and 0 < top_p < 1:
-            target = top_p * sum(w for w, _ in weights)
-            cumulative = 0.0
-            for cut, (weight, _) in enumerate(weights, start=1):
-                cumulative += weight
-                if cumulative >= target:
-                    kept = weights[:cut]
-                    break
+        kept = weights if greedy else _kept(weights, top_p, top_k)
         mass = sum(w for w, _ in kept)
-        chosen = kept[0][1]
-        if not greedy:
-            draw = rng.random() * mass
-            for weight, token in kept:
-                draw -= weight
-                chosen = token
-                if draw < 0:
-                    break
-        in_nucleus = {t: math.log(w / mass) for w, t in kept}
-        logprob = in_nucleus[chosen]
+        chosen = kept[0][1] if greedy else _draw(kept, mass, rng)
+        if raw:  # at temperature 1 these are the very weights, so both modes agree exactly
+            plain = weights
+            if temp != 1.0:
+                plain = sorted(((math.exp(v - best), t) for v, t in logits), reverse=True)
+            total = sum(w for w, _ in plain)
+            reported = {t: math.log(w / total) for w, t in plain}
+        else:
+            reported = {t: math.log(w / mass) for w, t in kept}
+        logprob = reported[chosen]
         top: list[tuple[int, float]] = []
-        if top_k > 0:
+        if top_logprobs > 0:
             top.append((chosen, logprob))
             for _, token in weights:
-                if len(top) >= top_k:
+                if len(top) >= top_logprobs:
                     break
                 if token != chosen:
-                    top.append((token, max(in_nucleus.get(token, FLOOR), FLOOR)))
+                    top.append((token, max(reported.get(token, FLOOR), FLOOR)))
         return Step(chosen, max(logprob, FLOOR), tuple(top))
 
     def step(
@@ -141,55 +136,110 @@ class PseudoModel:
         temperature: float,
         top_p: float,
         top_k: int = 0,
+        top_logprobs: int = 0,
         seed: int = 0,
+        raw: bool = False,
     ) -> Step:
-        """Log-prob of ``token_id`` following ``context`` (prompt + generated so far)."""
+        """Log-prob of ``token_id`` following ``context`` (prompt + generated so far), under
+        temperature, top-k and top-p, or with ``raw`` under the model before them."""
         offset, fraction = self._position_hash(context, seed)
         margin = MIN_MARGIN + (MAX_MARGIN - MIN_MARGIN) * (fraction / 2**64)
-        # Greedy decoding reports the unscaled distribution, as servers do.
-        temp = temperature if temperature > 0 else 1.0
-        nucleus = top_p if temperature > 0 and 0 < top_p < 1 else 1.0
-
-        sums = self._prefix_sums(temp)
-        base0 = self._base[0]
+        temp, nucleus, keep = _warp(temperature, top_p, top_k, raw)
         removed = self._rank(token_id, offset)  # the planned token's slot leaves the pool
-        removed_mass = math.exp((self._base[removed] - base0) / temp)
-        lift = math.exp(-margin / temp)  # others relative to the planned token's weight 1
-
-        def kept_mass(k: int) -> float:
-            """Mass of the planned token plus ranks < k (without its old slot)."""
-            mass = sums[k] - (removed_mass if removed < k else 0.0)
-            return 1.0 + lift * max(mass, 0.0)
-
-        total = kept_mass(self.vocab_size)
+        pool = _Pool(
+            sums=self._prefix_sums(temp),
+            removed=removed,
+            removed_mass=math.exp((self._base[removed] - self._base[0]) / temp),
+            lift=math.exp(-margin / temp),  # others relative to the planned token's weight 1
+        )
+        cut = self.vocab_size
+        if 0 < keep < self.vocab_size:
+            cut = pool.top_k_cut(keep)
         if nucleus < 1.0:
-            target = nucleus * total
-            lo, hi = 0, self.vocab_size
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if kept_mass(mid) >= target:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            cut = lo
-        else:
-            cut = self.vocab_size
-        log_norm = math.log(kept_mass(cut))
+            cut = pool.nucleus_cut(nucleus, cut)
+        log_norm = math.log(pool.kept_mass(cut))
         logprob = -log_norm
-
         top: list[tuple[int, float]] = []
-        if top_k > 0:
+        if top_logprobs > 0:
             top.append((token_id, logprob))
+            base0 = self._base[0]
             rank = 0
-            while len(top) < top_k and rank < self.vocab_size:
+            while len(top) < top_logprobs and rank < self.vocab_size:
                 if rank != removed:
+                    alt = FLOOR
                     if rank < cut:
                         alt = (self._base[rank] - base0 - margin) / temp - log_norm
-                    else:
-                        alt = FLOOR
                     top.append((self._token(rank, offset), max(alt, FLOOR)))
                 rank += 1
         return Step(token_id, max(logprob, FLOOR), tuple(top))
+
+
+def _warp(temperature: float, top_p: float, top_k: int, raw: bool) -> tuple[float, float, int]:
+    """The (temperature, top-p, top-k) a step's log-probs are taken under.
+
+    Raw log-probs, and greedy decoding, report the model's own distribution, as vLLM's
+    ``raw_logprobs`` does; otherwise the one sampled from (``processed_logprobs``).
+    """
+    if raw or temperature <= 0:
+        return 1.0, 1.0, 0
+    return temperature, (top_p if 0 < top_p < 1 else 1.0), max(top_k, 0)
+
+
+def _kept(weights: list[tuple[float, int]], top_p: float, top_k: int) -> list[tuple[float, int]]:
+    """What a sampler keeps of weights sorted best first: the top k, then the smallest head
+    holding ``top_p`` of their mass (vLLM's order: top-k, then top-p)."""
+    kept = weights[:top_k] if 0 < top_k < len(weights) else weights
+    if 0 < top_p < 1:
+        target = top_p * sum(w for w, _ in kept)
+        cumulative = 0.0
+        for cut, (weight, _) in enumerate(kept, start=1):
+            cumulative += weight
+            if cumulative >= target:
+                return kept[:cut]
+    return kept
+
+
+def _draw(kept: list[tuple[float, int]], mass: float, rng: random.Random) -> int:
+    draw = rng.random() * mass
+    chosen = kept[0][1]
+    for weight, token in kept:
+        draw -= weight
+        chosen = token
+        if draw < 0:
+            break
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """One position's distribution at one temperature, in prefix sums: the planned token
+    (weight 1) above the permuted pool of every other token (weights scaled by ``lift``)."""
+
+    sums: list[float]
+    removed: int
+    removed_mass: float
+    lift: float
+
+    def kept_mass(self, k: int) -> float:
+        """Mass of the planned token plus pool ranks < k (without its old slot)."""
+        mass = self.sums[k] - (self.removed_mass if self.removed < k else 0.0)
+        return 1.0 + self.lift * max(mass, 0.0)
+
+    def top_k_cut(self, k: int) -> int:
+        """The pool rank cut that keeps k tokens: the planned one and the k - 1 best others."""
+        return k - 1 if self.removed >= k - 1 else k
+
+    def nucleus_cut(self, top_p: float, limit: int) -> int:
+        """The smallest cut (at most ``limit``) whose kept mass reaches ``top_p`` of it."""
+        target = top_p * self.kept_mass(limit)
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.kept_mass(mid) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
 
 __all__ = ["PseudoModel", "Step"]

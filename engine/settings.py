@@ -4,8 +4,9 @@
 or ``sglang`` (SGLang 0.5.23's OpenAI routes and native ``/generate``).
 
 The generation config holds the defaults applied when a request omits a sampling field,
-as vLLM applies a model's ``generation_config.json``; it can come from a YAML file with
-keys ``temperature``, ``top_p`` and ``max_tokens``.
+as vLLM applies a model's ``generation_config.json`` (Qwen3's sets temperature 0.6, top_p
+0.95, top_k 20); it can come from a YAML file with keys ``temperature``, ``top_p``,
+``top_k`` and ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import yaml
 
-GENERATION_KEYS = ("temperature", "top_p", "max_tokens")
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "max_tokens")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+# Neutral sampling: what a request that omits a field gets without a generation config.
+DEFAULT_GENERATION = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": None}
 WIRES = ("vllm", "sglang")
 
 
@@ -38,13 +42,17 @@ class EngineSettings:
     # False: answer like vLLM before 0.10.2 (no return_token_ids: no id fields at all), so a
     # client's /tokenize fallback can be tested against a real server.
     token_id_fields: bool = True
-    generation_config: dict = field(
-        default_factory=lambda: {"temperature": 1.0, "top_p": 1.0, "max_tokens": None}
-    )
+    # Log-probs of the distribution sampled from (after temperature, top-k, top-p) or of the
+    # model before them, as vLLM's --logprobs-mode. Processed by default, unlike vLLM: the
+    # tests compare captured log-probs with sampling at the harness's temperature.
+    logprobs_mode: str = "processed_logprobs"
+    generation_config: dict = field(default_factory=lambda: dict(DEFAULT_GENERATION))
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:
             raise ValueError(f"wire must be 'vllm' or 'sglang', not {self.wire!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
         if self.policy not in ("scripted", "random"):
             raise ValueError(f"policy must be 'scripted' or 'random', not {self.policy!r}")
         if not 0.0 <= self.noncanonical_rate <= 1.0:
@@ -61,6 +69,6 @@ class EngineSettings:
 def load_generation_config(path: str | Path) -> dict:
     with open(path, encoding="utf-8") as handle:
         data = yaml.safe_load(handle) or {}
-    config = {"temperature": 1.0, "top_p": 1.0, "max_tokens": None}
+    config = dict(DEFAULT_GENERATION)
     config.update({k: data[k] for k in data})
     return config

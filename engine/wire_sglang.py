@@ -192,6 +192,7 @@ def _generate_sampling(params: GenerateSamplingParams, top: int) -> SamplingPara
     return SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
+        top_k=params.top_k,
         max_tokens=params.max_new_tokens,
         seed=params.sampling_seed,
         stop=params.stop_list,

@@ -99,6 +99,9 @@ def test_tokcap_cli_has_the_engine_subcommand():
         "--json-reserialize",
         "--ground-truth",
         "--max-model-len",
+        "--wire",
+        "--api-key",
+        "--logprobs-mode",
     ):
         assert flag in result.stdout
     bad = subprocess.run(

@@ -174,7 +174,7 @@ def test_parser_leaves_broken_tool_calls_as_content():
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 1.0), (1.0, 0.8), (0.3, 0.5)])
 def test_pseudo_model_is_a_normalized_distribution(temperature, top_p):
     model = PseudoModel(211)
-    step = model.step([5, 6, 7], 42, temperature=temperature, top_p=top_p, top_k=211)
+    step = model.step([5, 6, 7], 42, temperature=temperature, top_p=top_p, top_logprobs=211)
     assert step.top[0] == (42, step.logprob)
     assert len({token for token, _ in step.top}) == 211
     mass = sum(math.exp(lp) for _, lp in step.top if lp > FLOOR)
@@ -182,7 +182,7 @@ def test_pseudo_model_is_a_normalized_distribution(temperature, top_p):
     assert all(step.logprob >= lp for _, lp in step.top)
     if top_p < 1.0:
         assert any(lp == FLOOR for _, lp in step.top), "tokens outside the nucleus get -inf"
-    again = model.step([5, 6, 7], 42, temperature=temperature, top_p=top_p, top_k=211)
+    again = model.step([5, 6, 7], 42, temperature=temperature, top_p=top_p, top_logprobs=211)
     assert again == step
     other = model.step([5, 6, 8], 42, temperature=temperature, top_p=1.0).logprob
     assert other != model.step([5, 6, 7], 42, temperature=temperature, top_p=1.0).logprob
@@ -197,7 +197,9 @@ def test_pseudo_model_samples_from_the_distribution_it_reports(temperature, top_
     counts: dict[int, int] = {}
     reported: dict[int, float] = {}
     for _ in range(draws):
-        step = model.sample([9, 9], allowed, rng, temperature=temperature, top_p=top_p, top_k=3)
+        step = model.sample(
+            [9, 9], allowed, rng, temperature=temperature, top_p=top_p, top_logprobs=3
+        )
         assert step.token_id in allowed and step.top[0] == (step.token_id, step.logprob)
         counts[step.token_id] = counts.get(step.token_id, 0) + 1
         reported[step.token_id] = step.logprob
