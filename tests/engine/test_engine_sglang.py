@@ -197,3 +197,31 @@ def test_vllm_wire_uses_vllm_0_10_2_context_words():
             f"This model's maximum context length is 64 tokens. However, your request has "
             f"{count} input tokens. Please reduce the length of the input messages."
         )
+
+
+def test_both_wires_sample_and_log_the_same_sequences(base):
+    body = {"messages": USER, "tools": TOOLS, "n": 2, "seed": 4, "logprobs": True}
+    httpx.delete(f"{base}/tokcap/ground_truth", timeout=30)
+    sglang = post(base, "/v1/chat/completions", {**body, "return_token_ids": True}).json()
+    sglang_truth = last_truth(base, 2)
+    with serve_app(create_app(EngineSettings(model="tiny"))) as vllm_base:
+        vllm = post(vllm_base, "/v1/chat/completions", {**body, "return_token_ids": True}).json()
+        vllm_truth = last_truth(vllm_base, 2)
+    assert [r["choice_index"] for r in sglang_truth] == [0, 1]
+    assert [r["request_id"] for r in sglang_truth] == [sglang["id"]] * 2
+    for key in ("prompt_token_ids", "token_ids", "logprobs", "content", "reasoning"):
+        assert [r[key] for r in sglang_truth] == [r[key] for r in vllm_truth], key
+    functions = [[c["function"] for c in r["tool_calls"]] for r in sglang_truth]
+    assert functions == [[c["function"] for c in r["tool_calls"]] for r in vllm_truth]
+    assert [c["response_token_ids"] for c in sglang["choices"]] == [
+        c["token_ids"] for c in vllm["choices"]
+    ]
+
+
+def test_without_token_ids_answers_like_sglang_before_0_5_17():
+    settings = EngineSettings(wire="sglang", token_id_fields=False)
+    with serve_app(create_app(settings)) as url:
+        reply = post(url, "/v1/chat/completions", {"messages": USER, **IDS}).json()
+    [choice] = reply["choices"]
+    assert "prompt_token_ids" not in choice and "response_token_ids" not in choice
+    assert [t[1] for t in choice["meta_info"]["output_token_logprobs"]], "ids only in meta_info"
