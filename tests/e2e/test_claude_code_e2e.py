@@ -210,7 +210,13 @@ async def wait_retired(redis_url: str, rollout_id: str) -> dict[str, Any]:
 
 
 def run_rollout(
-    cli: Path, redis_url: str, workdir: Path, *, nonessential_traffic: bool, wire: str = "vllm"
+    cli: Path,
+    redis_url: str,
+    workdir: Path,
+    *,
+    nonessential_traffic: bool,
+    wire: str = "vllm",
+    model: str = "claude-sonnet-4-5",
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """One CLI rollout through capture and rebuild: (summary, submitted record, result)."""
     rollout_id = f"cc-{uuid.uuid4().hex[:10]}"
@@ -221,7 +227,7 @@ def run_rollout(
         "workdir": str(workdir),
         "rollout_id": rollout_id,
         "prompt": PROMPT,
-        "model": "claude-sonnet-4-5",
+        "model": model,
         "nonessential_traffic": nonessential_traffic,
         "engine_args": [
             "--policy",
@@ -294,7 +300,10 @@ def assert_delivers_agent_loop(result: dict[str, Any], agent_calls: list[dict[st
         assert item["generation_log_probs"] == pytest.approx(call["logprobs"])
 
 
-@pytest.mark.parametrize("wire", ["vllm", "sglang"])
+@pytest.mark.parametrize(
+    "wire, model",
+    [("vllm", "claude-sonnet-4-5"), ("sglang", "claude-sonnet-4-5"), ("sglang", "qwen3-8b")],
+)
 def test_claude_code_rollout_is_rebuilt_from_sampled_ids(
     claude_cli: Path,
     netns: None,
@@ -302,10 +311,15 @@ def test_claude_code_rollout_is_rebuilt_from_sampled_ids(
     worker: subprocess.Popen,
     tmp_path: Path,
     wire: str,
+    model: str,
 ) -> None:
-    """The same rollout whichever wire the engine speaks (the front end finds it: auto)."""
+    """The same rollout whichever wire the engine speaks (the front end finds it: auto).
+
+    With a model name the CLI does not know (any policy's), it sends ``role: "system"``
+    messages mid-conversation; they are translated, never refused.
+    """
     summary, record, result = run_rollout(
-        claude_cli, redis_socket, tmp_path, nonessential_traffic=False, wire=wire
+        claude_cli, redis_socket, tmp_path, nonessential_traffic=False, wire=wire, model=model
     )
     truth = sampled(summary)
     assert len(truth) == 2, "the agent loop is two calls: the Bash call, then the answer"
