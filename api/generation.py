@@ -74,6 +74,34 @@ class Generation:
         return int(self.usage.get("completion_tokens") or 0)
 
 
+def reply_generation(
+    response: Mapping[str, Any],
+    message: Mapping[str, Any],
+    *,
+    finish_reason: Any,
+    stop_reason: Any,
+    prompt_ids: Any,
+    ids: list[int] | None,
+    log_probs: list[float] | None,
+    overridden_keys: tuple[str, ...] = (),
+    usage: Any = None,
+) -> Generation:
+    """A Generation as an adapter read it, before the checks (``usage``: the reply's own)."""
+    usage = response.get("usage") if usage is None else usage
+    return Generation(
+        response=dict(response),
+        message=dict(message),
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        prompt_token_ids=prompt_ids,
+        generation_token_ids=ids,
+        generation_log_probs=log_probs,
+        ids_problem=None,
+        overridden_keys=overridden_keys,
+        usage=dict(usage) if isinstance(usage, Mapping) else {},
+    )
+
+
 def with_changes(generation: Generation, **changes: Any) -> Generation:
     """A copy with ``changes``; a problem voids all three arrays, so none is half-trusted."""
     if "ids_problem" in changes:

@@ -20,12 +20,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from api.engines import common
 from api.generation import (
     Generation,
     finish,
     first_choice,
     logprob_problem,
     prompt_problem,
+    reply_generation,
 )
 
 NAME = "sglang"
@@ -56,10 +58,7 @@ def chat_body(
     chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The body sent upstream, and which sampling keys the overrides replaced or added."""
-    body = {**chat_request, "model": model, **CHAT_PARAMS}
-    body.pop("stream_options", None)
-    body.update(overrides)
-    return body, tuple(sorted(overrides))
+    return common.chat_body(CHAT_PARAMS, chat_request, model, overrides)
 
 
 def _triples(meta_info: Any) -> tuple[list[int] | None, list[Any] | None, str | None]:
@@ -127,18 +126,15 @@ def read_chat(
     """Reduce a chat-completions response; ``ids_problem`` says why ids are unusable."""
     choice, message = first_choice(response)
     ids, log_probs, problem = _chat_ids(choice)
-    usage = response.get("usage")
-    generation = Generation(
-        response=dict(response),
-        message=dict(message),
+    generation = reply_generation(
+        response,
+        message,
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("matched_stop"),
-        prompt_token_ids=choice.get("prompt_token_ids"),
-        generation_token_ids=ids,
-        generation_log_probs=log_probs,
-        ids_problem=None,
+        prompt_ids=choice.get("prompt_token_ids"),
+        ids=ids,
+        log_probs=log_probs,
         overridden_keys=overridden_keys,
-        usage=dict(usage) if isinstance(usage, Mapping) else {},
     )
     if problem is None:
         missing = "the engine returned no prompt_token_ids although return_token_ids was requested"
@@ -178,15 +174,14 @@ def read_tokens(
     finish_reason = meta.get("finish_reason")
     reason = finish_reason if isinstance(finish_reason, Mapping) else {}
     usage = {key: meta[key] for key in ("prompt_tokens", "completion_tokens") if key in meta}
-    generation = Generation(
-        response=dict(response),
-        message={"role": "assistant", "content": str(response.get("text") or "")},
+    generation = reply_generation(
+        response,
+        {"role": "assistant", "content": str(response.get("text") or "")},
         finish_reason=reason.get("type"),
         stop_reason=reason.get("matched"),
-        prompt_token_ids=list(prompt_ids),
-        generation_token_ids=ids if isinstance(ids, list) else None,
-        generation_log_probs=log_probs,
-        ids_problem=None,
+        prompt_ids=list(prompt_ids),
+        ids=ids if isinstance(ids, list) else None,
+        log_probs=log_probs,
         usage=usage,
     )
     problem = problem or value_problem

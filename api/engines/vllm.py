@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from api.engines import common
 from api.generation import (
     Generation,
     UpstreamError,
@@ -28,6 +29,7 @@ from api.generation import (
     first_choice,
     logprob_problem,
     prompt_problem,
+    reply_generation,
 )
 
 NAME = "vllm"
@@ -72,10 +74,7 @@ def chat_body(
     chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """The body sent upstream, and which sampling keys the overrides replaced or added."""
-    body = {**chat_request, "model": model, **CHAT_PARAMS}
-    body.pop("stream_options", None)
-    body.update(overrides)
-    return body, tuple(sorted(overrides))
+    return common.chat_body(CHAT_PARAMS, chat_request, model, overrides)
 
 
 def _token_id(token: Any) -> int | None:
@@ -155,18 +154,15 @@ def read_chat(
     """
     choice, message = first_choice(response)
     ids, log_probs, problem = _chat_logprobs(choice)
-    usage = response.get("usage")
-    generation = Generation(
-        response=dict(response),
-        message=dict(message),
+    generation = reply_generation(
+        response,
+        message,
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
-        prompt_token_ids=response.get("prompt_token_ids"),
-        generation_token_ids=ids,
-        generation_log_probs=log_probs,
-        ids_problem=None,
+        prompt_ids=response.get("prompt_token_ids"),
+        ids=ids,
+        log_probs=log_probs,
         overridden_keys=overridden_keys,
-        usage=dict(usage) if isinstance(usage, Mapping) else {},
     )
     problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy)
     if problem is None and not (legacy and generation.prompt_token_ids is None):
@@ -208,17 +204,14 @@ def read_tokens(
         ids, log_probs, problem = None, None, "upstream returned no log-probs"
     else:
         ids, log_probs, problem = _read_logprobs(tokens, values)
-    usage = response.get("usage")
-    generation = Generation(
-        response=dict(response),
-        message={"role": "assistant", "content": str(choice.get("text") or "")},
+    generation = reply_generation(
+        response,
+        {"role": "assistant", "content": str(choice.get("text") or "")},
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
-        prompt_token_ids=list(prompt_ids),
-        generation_token_ids=ids,
-        generation_log_probs=log_probs,
-        ids_problem=None,
-        usage=dict(usage) if isinstance(usage, Mapping) else {},
+        prompt_ids=list(prompt_ids),
+        ids=ids,
+        log_probs=log_probs,
     )
     problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy=False)
     if problem is None and choice.get("prompt_token_ids") != list(prompt_ids):
