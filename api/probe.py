@@ -106,8 +106,7 @@ async def logprobs_are_raw(client: UpstreamClient, temperature: float) -> bool |
 async def probe_engine(client: UpstreamClient) -> EngineReport:
     """Probe the engine behind ``client``; EngineRefused says what to change."""
     generation = await client.chat({"messages": PROBE_MESSAGES, "max_tokens": 8})
-    await client.learn()
-    family = client.engine
+    family = client.engine  # learned by the call
     if generation.ids_problem is not None:
         raise EngineRefused(_refusal(generation.ids_problem, family))
     temperature = client.sampling_overrides.get("temperature")

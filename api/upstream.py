@@ -71,6 +71,14 @@ def _error_message(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
+def _model_cards(body: Any) -> list[dict[str, Any]]:
+    """The model cards of a ``GET /v1/models`` body (those with an id)."""
+    data = body.get("data") if isinstance(body, Mapping) else None
+    if not isinstance(data, list):
+        return []
+    return [item for item in data if isinstance(item, Mapping) and item.get("id")]
+
+
 def prompt_length_in(message: str) -> int | None:
     """The prompt length an engine's context-length error names, or None."""
     match = _PROMPT_LENGTH.search(message)
@@ -185,11 +193,10 @@ class UpstreamClient:
 
     async def models(self) -> list[dict[str, Any]]:
         status, body = await self._get_json("/v1/models")
-        data = body.get("data") if isinstance(body, Mapping) else None
-        if status != 200 or not isinstance(data, list):
+        if status != 200 or not isinstance(body, Mapping) or not isinstance(body.get("data"), list):
             reason = f"status {status}" if status else "unreachable"
             raise UpstreamError(502, f"upstream models unavailable ({self.where}: {reason})")
-        return [item for item in data if isinstance(item, Mapping) and item.get("id")]
+        return _model_cards(body)
 
     async def learn(self) -> None:
         """Ask the engine once what it is: its family, max_model_len, and (vLLM) its era."""
@@ -198,19 +205,18 @@ class UpstreamClient:
         async with self._learn_lock:
             if self._learned:
                 return
-            try:
-                models = await self.models()
-            except UpstreamError:
-                models = []
+            status, body = await self._get_json("/v1/models")
+            models = _model_cards(body) if status == 200 else []
             if models:
                 self._served_model = str(models[0]["id"])
                 length = models[0].get("max_model_len")
                 self.max_model_len = length if isinstance(length, int) and length > 0 else None
-            if self.engine == "auto":
+            if self.engine == "auto" and status:  # only an engine that answered names itself
                 self.engine = family_of_models(models) or await self._family_by_routes()
             if self.engine == "vllm":
                 self._legacy = await self._ask_version()
-            self._learned = models != [] or self._legacy is not None
+            # Any answer settles it; an engine not up yet is asked again at the next call.
+            self._learned = status != 0
 
     async def _family_by_routes(self) -> str:
         """vLLM answers ``/version``; SGLang has no such route but ``/get_server_info``."""
