@@ -23,10 +23,11 @@ from api import sse
 from api.capture_step import capture
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
-from api.generation import UpstreamError
+from api.generation import Generation, UpstreamError
 from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
+from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.routing import CapturePrefixRouter, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
 from api.upstream import UpstreamClient
@@ -97,7 +98,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
-        generation = await state.upstream.chat(chat_request)
+        generation = await _generate(state, chat_request)
     except Exception as exc:
         if intent is not None:
             await intent
@@ -127,6 +128,21 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         await _unreceived(metrics, "the client disconnected before the reply was sent")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(reply)
+
+
+async def _generate(state: Any, chat_request: dict[str, Any]) -> Generation:
+    """One sampled reply. Text prompts: the engine renders the messages. Faithful prompts:
+    the front end builds the ids, the engine continues them token-in, and the reply is
+    read from the sampled ids (``api.prompts.faithful``)."""
+    prompts: FaithfulPrompts | None = state.prompts
+    if prompts is None:
+        return await state.upstream.chat(chat_request)
+    prompt = await prompts.build(chat_request)
+    state.metrics.record_prompt(prompt.continued is not None, prompt.fallback)
+    generation = await state.upstream.complete_ids(
+        prompt.ids, prompt.sampling, chat_request.get("model")
+    )
+    return prompts.served(prompt, generation)
 
 
 def _unavailable(dialect: Dialect) -> Response:
@@ -197,6 +213,7 @@ async def _lifespan(app: FastAPI, settings: ServerSettings, slot: SinkSlot) -> A
     sink, owned = await _start_sink(settings)
     slot.sink = sink
     app.state.upstream = UpstreamClient.from_settings(settings)
+    app.state.prompts = faithful_prompts(settings)
     try:
         yield
     finally:

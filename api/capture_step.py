@@ -77,6 +77,7 @@ def call_entry(
         token_item_index=len(items) - 1,
         overridden_sampling_keys=list(generation.overridden_keys),
         **_clamp_field(generation),
+        **generation.entry_fields,
     )
 
 

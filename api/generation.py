@@ -46,6 +46,8 @@ class Generation:
     usage: dict[str, Any] = field(default_factory=dict)
     # (asked, sent) when max_tokens was lowered to the room the context window leaves.
     max_tokens_clamp: tuple[int, int] | None = None
+    # Extra fields the capture step records on the call's entry (faithful prompts' lineage).
+    entry_fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def text(self) -> str:

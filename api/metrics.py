@@ -78,6 +78,24 @@ class FrontEndMetrics:
             registry=self.registry,
         )
 
+        self.faithful_prompts = Counter(
+            "tokcap_faithful_prompts",
+            "Faithful prompts built: continued (extends a recorded call) or root",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.faithful_fallbacks = Counter(
+            "tokcap_faithful_fallbacks",
+            "Faithful prompts rendered whole although the history held an assistant turn",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def record_prompt(self, continued: bool, fallback: str | None) -> None:
+        self.faithful_prompts.labels(kind="continued" if continued else "root").inc()
+        if fallback is not None:
+            self.faithful_fallbacks.labels(reason=fallback).inc()
+
     def record_call(self, dialect: str, outcome: str, put_seconds: float | None = None) -> None:
         self.calls.labels(dialect=dialect, outcome=outcome).inc()
         if outcome == "captured":

@@ -34,8 +34,22 @@ ENV_OVERRIDES = {
     "TOKCAP_MAX_INFLIGHT_BYTES": "max_inflight_bytes",
     "TOKCAP_ENGINE": "engine",
     "TOKCAP_UPSTREAM_API_KEY": "upstream_api_key",
+    "TOKCAP_PROMPTS": "prompts",
+    "TOKCAP_RENDERER": "renderer_name",
+    "TOKCAP_RENDERER_TOKENIZER": "renderer_tokenizer",
 }
+PROMPT_MODES = ("text", "faithful")
 INTEGER_SETTINGS = ("max_body_bytes", "max_inflight_bytes")
+
+
+class RendererBlock(BaseModel):
+    """``model_server.renderer``: what faithful prompts are rendered with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "qwen3"  # a renderer of the ``renderers`` package
+    tokenizer: str | None = None  # qwen3, or a local tokenizer file or directory
+    thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
 
 
 class ModelServerBlock(BaseModel):
@@ -54,6 +68,8 @@ class ModelServerBlock(BaseModel):
     capture_timeout_s: float = Field(default=DEFAULT_CAPTURE_TIMEOUT_S, gt=0)
     engine: Literal["auto", "vllm", "sglang"] = "auto"
     upstream_api_key: str | None = Field(default=None, repr=False)
+    prompts: Literal["text", "faithful"] = "text"
+    renderer: RendererBlock = Field(default_factory=RendererBlock)
 
 
 @dataclass(frozen=True)
@@ -78,9 +94,24 @@ class ServerSettings:
     engine: str = "auto"
     # Sent as Authorization: Bearer to the upstream; never shown (not even in this repr).
     upstream_api_key: str | None = field(default=None, repr=False)
+    # text: the engine renders the harness's messages; faithful: the front end renders
+    # them with ``renderer_name`` on ``renderer_tokenizer`` and calls the engine token-in.
+    prompts: str = "text"
+    renderer_name: str = "qwen3"
+    renderer_tokenizer: str | None = None
+    thinking_retention: str = "all"
     capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
 
     def __post_init__(self) -> None:
+        if self.prompts not in PROMPT_MODES:
+            raise ConfigError(
+                f"model_server.prompts must be text or faithful, not {self.prompts!r}"
+            )
+        if self.prompts == "faithful" and not self.renderer_tokenizer:
+            raise ConfigError(
+                "model_server.prompts: faithful needs model_server.renderer.tokenizer "
+                "(qwen3, or a local tokenizer file or directory)"
+            )
         if self.engine not in ENGINES:
             raise ConfigError(
                 f"model_server.engine must be one of {', '.join(ENGINES)}, not {self.engine!r}"
@@ -112,7 +143,13 @@ class ServerSettings:
             raise ConfigError(f"invalid model server config: {problems}") from None
         where, capture_block = find_capture_block(document)
         capture = TokenIdCaptureConfig.from_block(capture_block, where or "token_id_capture")
-        settings = cls(capture=capture, **server.model_dump())
+        fields = server.model_dump(exclude={"renderer"})
+        fields.update(
+            renderer_name=server.renderer.name,
+            renderer_tokenizer=server.renderer.tokenizer,
+            thinking_retention=server.renderer.thinking_retention,
+        )
+        settings = cls(capture=capture, **fields)
         return settings.with_environment(os.environ if environ is None else environ)
 
     def with_environment(self, environ: Mapping[str, str]) -> ServerSettings:

@@ -317,14 +317,23 @@ class UpstreamClient:
     async def complete_ids(
         self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any = None
     ) -> Generation:
-        """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked."""
+        """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked.
+
+        ``max_tokens`` is lowered at once to the room ``max_model_len`` leaves: the prompt's
+        length is known here, so no refusal has to name it.
+        """
         name = await self.model_name(model)
         adapter = self.adapter
         params = {**sampling, **self.sampling_overrides}
+        clamp = self._clamped(params, len(prompt_ids))
         path, body = adapter.tokens_body(prompt_ids, name, params)
         response = await self._post(path, body)
         generation = adapter.read_tokens(response, prompt_ids, vocab_size=self.vocab_size)
-        return with_changes(generation, overridden_keys=tuple(sorted(self.sampling_overrides)))
+        return with_changes(
+            generation,
+            overridden_keys=tuple(sorted(self.sampling_overrides)),
+            max_tokens_clamp=clamp,
+        )
 
     async def _with_tokenized_prompt(
         self, generation: Generation, body: Mapping[str, Any]

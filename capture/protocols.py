@@ -62,6 +62,18 @@ class StartupCheck(Protocol):
 
 
 @runtime_checkable
+class LineageSource(Protocol):
+    """Optional extension: a running rollout's call found by a lineage key on its entry.
+
+    Faithful prompts (``capture.lineage``) continue the call a request's history ends in;
+    a store that answers this lets any worker or node continue any rollout. Returns None
+    when no stored entry carries the key (or the rollout is unknown).
+    """
+
+    async def find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None: ...
+
+
+@runtime_checkable
 class TokenSource(Protocol):
     async def freeze(self, rollout_id: str) -> TokenCaptureSnapshot: ...
 

@@ -30,6 +30,8 @@ class RolloutSummary:
     main_chain_by: str = ""  # "final_answer", "only_root", or "" when nothing is delivered
     discarded_retries: int = 0  # retries a later call did not extend, dropped
     unresolved_retries: int = 0  # groups of retries none of which was extended
+    # Faithful prompts rendered whole although the history held an assistant turn, by reason.
+    faithful_fallbacks: dict[str, int] = field(default_factory=dict)
     capture_incomplete: bool | None = None  # None: no snapshot was read
     mask_reasons: list[str] = field(default_factory=list)  # empty: delivered unmasked
     error: str | None = None  # a failed build's error
@@ -54,6 +56,7 @@ class RolloutSummary:
             main_chain_by=build.main_chain_by,
             discarded_retries=len(build.discarded_retries),
             unresolved_retries=len(build.unresolved_retries),
+            faithful_fallbacks=dict(build.faithful_fallbacks),
             capture_incomplete=capture_incomplete,
             mask_reasons=list(mask_reasons),
         )

@@ -27,6 +27,7 @@ and the whole build costs about one pass over the ids.
 from __future__ import annotations
 
 from bisect import bisect_right, insort
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from capture.build.final_answer import answer_signature
 from capture.build.projection import flat_ids_and_mask, project_chain
 from capture.errors import ConflictingEntryError
+from capture.lineage import FALLBACK_FIELD
 from capture.records import TokenEntry
 
 # Full sequences are grouped by their first tokens, so an unrelated root (a title call with
@@ -74,6 +76,9 @@ class BuildResult:
     mask_reasons: tuple[str, ...]
     output: tuple[dict[str, Any], ...] = field(repr=False)
     main_entries: tuple[TokenEntry, ...] = field(repr=False)
+    # Faithful prompts rendered whole although their history held an assistant turn, by
+    # reason (``capture.lineage``): each began a new root.
+    faithful_fallbacks: dict[str, int] = field(default_factory=dict)
 
     @property
     def masked(self) -> bool:
@@ -387,7 +392,13 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
         mask_reasons=tuple(_mask_reasons(graph, len(entries), unmatched, unresolved, main_path)),
         output=tuple(project_chain(main_entries)),
         main_entries=main_entries,
+        faithful_fallbacks=_fallbacks(entries),
     )
+
+
+def _fallbacks(entries: list[TokenEntry]) -> dict[str, int]:
+    reasons = [(entry.model_extra or {}).get(FALLBACK_FIELD) for entry in entries]
+    return dict(sorted(Counter(str(reason) for reason in reasons if reason).items()))
 
 
 def _without_unreceived(

@@ -33,6 +33,7 @@ from capture.errors import (
 from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
 from capture.filestore.records import RolloutState, entries_from_records, head_record, put_record
 from capture.inspection import Inspection, state_name
+from capture.lineage import entry_with_key
 from capture.reasons import (
     CONFLICTING_PAYLOAD,
     MARKED_INCOMPLETE,
@@ -109,6 +110,10 @@ class TokenCaptureStore:
     async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
         """Note that the harness never received this call's reply; refused after freeze."""
         await self._run(self._intent, rollout_id, model_call_id, "unreceived")
+
+    async def find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None:
+        """The call whose entry carries ``lineage_key`` (faithful prompts); reads only."""
+        return await self._run(self._find_call, rollout_id, lineage_key)
 
     # -- source -------------------------------------------------------------------------
 
@@ -297,6 +302,14 @@ class TokenCaptureStore:
             incomplete_reasons=tuple(reasons),
             unreceived=tuple(sorted(state.unreceived)),
         )
+
+    def _find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None:
+        with locked_log(self._path(rollout_id), create=False, fsync=self.fsync) as log:
+            if log is None:
+                return None
+            records = [record for _, record in log.read_from(0) if record["k"] == "put"]
+        blocks = {name: data for record in records for name, data in record["blocks"]}
+        return entry_with_key((record["body"] for record in records), blocks, lineage_key)
 
     def _read_entries(self, log: LockedLog) -> list[TokenEntry]:
         return entries_from_records(record for _, record in log.read_from(0))

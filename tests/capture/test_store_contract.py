@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from capture.errors import ConflictingEntryError, InvalidRolloutIdError, RolloutFrozenError
-from capture.protocols import IntentSink, ReceiptSink, TokenSink, TokenSource
+from capture.protocols import IntentSink, LineageSource, ReceiptSink, TokenSink, TokenSource
 
 INSPECT_KEYS = {
     "rollout_id",
@@ -424,3 +424,35 @@ async def test_unreceived_after_freeze_is_refused(store, make_entry):
         await store.mark_unreceived("receipt-late", "c-1")
     again = await store.freeze("receipt-late")
     assert (again.version, again.unreceived) == (snapshot.version, ())
+
+
+async def test_a_running_rollouts_call_is_found_by_a_lineage_key(store, make_entry):
+    """Faithful prompts continue a call any worker stored: the store finds it by its key."""
+    assert isinstance(store, LineageSource)
+    shared = list(range(2000, 2700))  # several blocks, shared with the second call
+    first = make_entry(
+        "ln",
+        "c-1",
+        prompt=shared,
+        generation=[7, 8],
+        log_probs=[-0.5, -0.25],
+        lineage_keys=["k-one", "k-one-bare"],
+    )
+    second = make_entry(
+        "ln",
+        "c-2",
+        prompt=shared + [7, 8, 9],
+        generation=[10],
+        log_probs=[-1.0],
+        lineage_keys=["k-two"],
+    )
+    assert await store.find_call("ln", "k-one") is None  # nothing stored yet
+    await store.put(first)
+    await store.put(second)
+    for key, want in (("k-one", first), ("k-one-bare", first), ("k-two", second)):
+        found = await store.find_call("ln", key)
+        assert found is not None and found.model_call_id == want.model_call_id
+        assert found.prompt_token_ids == want.prompt_token_ids
+        assert found.generation_token_ids == want.generation_token_ids
+    assert await store.find_call("ln", "k-none") is None
+    assert await store.find_call("unknown-rollout", "k-one") is None

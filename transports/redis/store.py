@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, encode_entry
 from capture.errors import ConfigError, TokenCaptureError
+from capture.lineage import entry_with_key
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
@@ -43,7 +44,7 @@ from transports.redis.plans import (
     pairs,
 )
 from transports.redis.put import KnownBlocks, Put
-from transports.redis.records import snapshot_of, summary_of
+from transports.redis.records import snapshot_of, split, summary_of
 from transports.redis.watch import attempt, execute_raw
 
 T = TypeVar("T")
@@ -322,6 +323,17 @@ class RedisTokenStore:
             await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
         )
         return summary_of(rollout_id, fields).as_dict()
+
+    async def find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None:
+        """The call of a running rollout whose entry carries ``lineage_key`` (faithful
+        prompts); reads only, and decodes only that call."""
+        await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+        fields = pairs(
+            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
+        )
+        kinds = split(fields)
+        return entry_with_key(kinds[k.ENTRY].values(), kinds[k.BLOCK], lineage_key)
 
 
 def _check_server(url: str | None, client: aioredis.Redis | None) -> None:

@@ -1,0 +1,140 @@
+"""Faithful prompts: the front end builds every prompt and reads every reply from the ids.
+
+The engine never re-renders sampled history. For each request:
+
+1. ``build``: find the recorded call its history continues (``api.prompts.lineage``) and
+   extend that call's prompt and sampled ids with the new messages
+   (``bridge_to_next_turn``); with no such call, or a bridge the renderer refuses, render
+   the whole conversation (a new root) and name why (``fallback``);
+2. the upstream client sends those ids token-in, with the renderer's stop tokens;
+3. ``served``: parse the sampled ids with the renderer into text, reasoning and tool calls,
+   so what the harness is shown comes from exactly the ids captured, and attach the
+   lineage keys of the conversation it now ends (request history plus this reply) for
+   the entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from api.dialects.common import new_id, tool_call
+from api.generation import Generation, with_changes
+from api.prompts.canonical import lineage_keys, split_history
+from api.prompts.lineage import LineageMemory, find_continued
+from capture.context import current_call
+from capture.lineage import FALLBACK_FIELD, LINEAGE_FIELD
+
+# Sampling fields of a chat request that a token-in call carries as they are.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+# Why a prompt that has an assistant turn in its history was rendered whole.
+NO_MATCH = "no_match"
+BRIDGE_REFUSED = "bridge_refused"
+FALLBACK_REASONS = (NO_MATCH, BRIDGE_REFUSED)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The ids one call is sent, and how they were made."""
+
+    ids: list[int]
+    sampling: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    continued: str | None = None  # the call this prompt extends, if any
+    fallback: str | None = None  # why it was rendered whole despite an assistant turn
+
+
+class FaithfulPrompts:
+    """Builds prompts with one renderer and remembers the calls this worker served."""
+
+    def __init__(self, renderer: Any, memory: LineageMemory | None = None) -> None:
+        self.renderer = renderer
+        self.memory = memory or LineageMemory()
+        self.stop_token_ids = list(renderer.get_stop_token_ids())
+
+    def sampling(self, chat_request: Mapping[str, Any]) -> dict[str, Any]:
+        params = {key: chat_request[key] for key in SAMPLING_KEYS if key in chat_request}
+        params["stop_token_ids"] = self.stop_token_ids
+        return params
+
+    def render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        return list(self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True))
+
+    async def build(self, chat_request: Mapping[str, Any]) -> Prompt:
+        messages = list(chat_request.get("messages") or [])
+        tools = list(chat_request.get("tools") or []) or None
+        prompt = Prompt([], self.sampling(chat_request), messages, tools)
+        history, new = split_history(messages)
+        if not history:
+            return _with(prompt, ids=self.render(messages, tools))
+        found = await find_continued(self.memory, lineage_keys(history, tools))
+        if found is None:
+            return _with(prompt, ids=self.render(messages, tools), fallback=NO_MATCH)
+        bridged = self.renderer.bridge_to_next_turn(
+            found.prompt_ids, found.completion_ids, new, tools=tools
+        )
+        if bridged is None:
+            return _with(prompt, ids=self.render(messages, tools), fallback=BRIDGE_REFUSED)
+        return _with(prompt, ids=list(bridged.token_ids), continued=found.model_call_id)
+
+    def served(self, prompt: Prompt, generation: Generation) -> Generation:
+        """The generation as the harness is served it: parsed from its ids, with lineage."""
+        if generation.ids_problem is not None or generation.generation_token_ids is None:
+            return generation
+        ids = generation.generation_token_ids
+        message = self.parsed_message(ids, prompt)
+        keys = lineage_keys([*prompt.messages, message], prompt.tools)
+        call = current_call()
+        if call is not None:
+            self.memory.remember(call.rollout_id, keys, call.model_call_id, prompt.ids, ids)
+        finish = generation.finish_reason
+        if message.get("tool_calls") and finish in (None, "stop"):
+            finish = "tool_calls"
+        fields: dict[str, Any] = {LINEAGE_FIELD: keys}
+        if prompt.fallback is not None:
+            fields[FALLBACK_FIELD] = prompt.fallback
+        return with_changes(generation, message=message, finish_reason=finish, entry_fields=fields)
+
+    def parsed_message(self, ids: list[int], prompt: Prompt) -> dict[str, Any]:
+        """Text, reasoning and tool calls of sampled ids, as the renderer's parser reads them.
+
+        A tool call that does not parse stays in the text (as vLLM's tool parsers leave it),
+        so nothing sampled is hidden from the harness.
+        """
+        parsed = self.renderer.parse_response(ids, tools=prompt.tools, prompt_ids=prompt.ids)
+        text = parsed.content or ""
+        calls = []
+        for call in parsed.tool_calls:
+            if str(call.status) == "ok" and call.name:
+                arguments = call.arguments if call.arguments is not None else {}
+                calls.append(tool_call(call.id or new_id("call_"), call.name, arguments))
+            else:
+                text = f"{text}\n{call.raw}" if text else call.raw
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text if text or not calls else None,
+        }
+        if parsed.reasoning_content:
+            message["reasoning_content"] = parsed.reasoning_content
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
+def _with(prompt: Prompt, **changes: Any) -> Prompt:
+    return Prompt(**{**prompt.__dict__, **changes})
+
+
+def faithful_prompts(settings: Any) -> FaithfulPrompts | None:
+    """The prompt builder ``ServerSettings`` ask for; None in text mode."""
+    if settings.prompts != "faithful":
+        return None
+    # Imported here: ``renderers`` takes 0.6 s to import, which text mode need not pay.
+    from api.prompts.renderer import build_renderer
+
+    renderer = build_renderer(
+        settings.renderer_name, settings.renderer_tokenizer, settings.thinking_retention
+    )
+    return FaithfulPrompts(renderer)
