@@ -48,9 +48,7 @@ def run_chat(
     """Render the messages, let the policy answer, and sample every choice."""
     tools = req.tools or None
     tool_choice = req.effective_tool_choice
-    prompt_ids = engine.tokenizer.encode(
-        engine.render_chat(req.messages, tools, req.add_generation_prompt)
-    )
+    prompt_ids = engine.chat_prompt_ids(req.messages, tools, req.add_generation_prompt)
     conversation = Conversation(req.messages, tools or [], tools_allowed=tool_choice != "none")
     generations = engine.generate(
         prompt_ids,

@@ -53,7 +53,14 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--script", default=None, help="YAML script for the scripted policy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=131072)
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: shipped)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="qwen3|PATH",
+        help="qwen3: the real Qwen3 vocabulary, with prompts rendered by Qwen3's chat template "
+        "(the renderers package); or a tokenizer.json, with the ChatML template "
+        "(default: the shipped byte-level BPE)",
+    )
     parser.add_argument("--ground-truth", default=None, help="append sampled sequences (JSONL)")
     parser.add_argument(
         "--generation-config",
@@ -67,7 +74,10 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-token chance of a non-canonical two-token segmentation",
     )
     parser.add_argument(
-        "--think-strip", action="store_true", help="the chat template drops past <think> blocks"
+        "--think-strip",
+        action="store_true",
+        help="the ChatML template drops past <think> blocks; ignored with --tokenizer qwen3, "
+        "whose template already drops the thinking of turns before the last user query",
     )
     parser.add_argument(
         "--json-reserialize",

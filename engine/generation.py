@@ -17,11 +17,12 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from .chat_template import ChatTemplate, chat_template
 from .ground_truth import GroundTruthLog
 from .policies import Conversation, Policy, Reply, make_policy, reply_text
 from .sampler import PseudoModel, Step
 from .settings import EngineSettings
-from .template import COMPACT_SEPARATORS, TEMPLATE_SEPARATORS, render
+from .template import COMPACT_SEPARATORS, TEMPLATE_SEPARATORS
 from .tokenizer import EngineTokenizer, StreamDecoder, load_tokenizer
 from .tool_parser import ParsedReply, parse_reply
 
@@ -88,6 +89,9 @@ class Engine:
     def __init__(self, settings: EngineSettings, tokenizer: EngineTokenizer | None = None):
         self.settings = settings
         self.tokenizer = tokenizer or load_tokenizer(settings.tokenizer_path)
+        self.template: ChatTemplate = chat_template(
+            self.tokenizer, think_strip=settings.think_strip
+        )
         self.model = PseudoModel(self.tokenizer.vocab_size, seed=0)
         self.policy: Policy = make_policy(settings.policy, settings.script_path)
         self.ground_truth = GroundTruthLog(settings.ground_truth_path)
@@ -95,15 +99,11 @@ class Engine:
         self._lock = threading.Lock()
 
     # -- prompts ------------------------------------------------------------------------
-    def render_chat(
+    def chat_prompt_ids(
         self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True
-    ) -> str:
-        return render(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            think_strip=self.settings.think_strip,
-        )
+    ) -> list[int]:
+        """The prompt ids of a conversation, rendered by the template of the vocabulary."""
+        return self.template.render_ids(messages, tools, add_generation_prompt)
 
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         """The effective max_tokens (all the room left when None), or ContextLengthError."""

@@ -21,6 +21,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # Neutral sampling: what a request that omits a field gets without a generation config.
 DEFAULT_GENERATION = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": None}
 WIRES = ("vllm", "sglang")
+QWEN3 = "qwen3"  # the --tokenizer name of Qwen3's vocabulary and template
 
 
 @dataclass
@@ -33,11 +34,13 @@ class EngineSettings:
     script_path: str | None = None  # None: engine/assets/default_script.yaml
     seed: int = 0
     max_model_len: int = 131072
-    tokenizer_path: str | None = None  # None: engine/assets/tokenizer.json
+    # "qwen3" (Qwen3's vocabulary and chat template), a tokenizer.json (ChatML template), or
+    # None: engine/assets/tokenizer.json.
+    tokenizer_path: str | None = None
     ground_truth_path: str | None = None  # JSONL, one line per generated sequence
     # Knobs that emulate what real serving does to re-rendered history.
     noncanonical_rate: float = 0.0
-    think_strip: bool = False
+    think_strip: bool = False  # ChatML only: Qwen3's own template decides what it drops
     json_reserialize: bool = False
     # False: answer like vLLM before 0.10.2 (no return_token_ids: no id fields at all), so a
     # client's /tokenize fallback can be tested against a real server.
@@ -57,6 +60,10 @@ class EngineSettings:
             raise ValueError(f"policy must be 'scripted' or 'random', not {self.policy!r}")
         if not 0.0 <= self.noncanonical_rate <= 1.0:
             raise ValueError("noncanonical_rate must be within [0, 1]")
+        if self.tokenizer_path not in (None, QWEN3) and not Path(self.tokenizer_path).is_file():
+            raise ValueError(
+                f"tokenizer must be 'qwen3' or a tokenizer.json file: {self.tokenizer_path}"
+            )
         unknown = set(self.generation_config) - set(GENERATION_KEYS)
         if unknown:
             raise ValueError(f"unknown generation config keys {sorted(unknown)}")

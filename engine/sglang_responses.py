@@ -74,7 +74,7 @@ def reasoning_tokens(tokenizer: EngineTokenizer, gen: Generation) -> int:
     """Generated tokens up to and including ``</think>`` (all of them if it never closed)."""
     if gen.parsed.reasoning is None:
         return 0
-    end = tokenizer.hf.token_to_id(THINK_END)
+    end = tokenizer.token_to_id(THINK_END)
     ids = gen.token_ids
     return ids.index(end) + 1 if end in ids else len(ids)
 

@@ -6,6 +6,9 @@ content, tool calls) followed by ``<|im_end|>``, which the engine generates as i
 token. Two knobs make the template lossy the way real templates are: ``think_strip``
 drops past ``<think>`` blocks, ``json_reserialize`` is on the generation side (the engine
 writes compact JSON that this template re-serializes with spaces).
+
+It is the template of a ``tokenizer.json`` engine; ``--tokenizer qwen3`` renders with
+Qwen3's own (``engine.chat_template``). :func:`messages_from_prompt` reads prompts of both.
 """
 
 from __future__ import annotations
@@ -144,15 +147,27 @@ def render(
 
 
 _TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>|\Z)", re.DOTALL)
+_TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
+_TOOL_RESPONSES = re.compile(r"(?:<tool_response>\n.*?\n</tool_response>\n?)+", re.DOTALL)
+
+
+def _turn_messages(role: str, body: str) -> list[dict]:
+    """One rendered turn as messages: a turn that is only ``<tool_response>`` blocks is the
+    tool results it holds (ChatML's ``tool`` turn holds one, Qwen3's ``user`` turn all of a
+    row), so the policy reads them as it reads them in a chat request."""
+    if role in ("tool", "user") and _TOOL_RESPONSES.fullmatch(body):
+        return [{"role": "tool", "content": text} for text in _TOOL_RESPONSE.findall(body)]
+    return [{"role": role, "content": body}]
 
 
 def messages_from_prompt(prompt: str) -> list[dict]:
-    """Best-effort inverse of :func:`render`, for prompts given as text or token ids.
+    """Best-effort inverse of :func:`render` (or of Qwen3's template), for prompts given as
+    text or token ids.
 
-    Used only to pick a policy reply for ``/v1/completions``; a trailing empty assistant
-    turn (the generation prompt) is dropped.
+    Used only to pick a policy reply for a token-in call; a trailing empty assistant turn
+    (the generation prompt) is dropped.
     """
-    messages = [{"role": role, "content": body} for role, body in _TURN.findall(prompt)]
+    messages = [m for role, body in _TURN.findall(prompt) for m in _turn_messages(role, body)]
     if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages.pop()
     return messages

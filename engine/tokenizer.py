@@ -1,18 +1,23 @@
-"""The engine's tokenizer: the shipped byte-level BPE plus the byte views the engine needs.
+"""The engine's tokenizer: a byte-level BPE (shipped or any ``tokenizer.json``) or Qwen3's.
 
-Ids come from `tokenizers` (``engine/assets/tokenizer.json``). On top of encode/decode this
-knows each token's raw bytes, so it can decode token by token the way a streaming server
-does, and can name two-token splits of a token (a non-canonical segmentation: the same
-bytes, different ids) for the ``noncanonical_rate`` knob.
+Ids come from `tokenizers` for a ``tokenizer.json`` (by default the shipped
+``engine/assets/tokenizer.json``), or, for ``qwen3``, from the real Qwen3 vocabulary that
+``api.prompts.vocab`` loads (tiktoken, 151,669 ids). Past encode/decode the engine only
+works with each token's raw bytes, so both backends look alike: it decodes token by token
+the way a streaming server does, and names two-token splits of a token (a non-canonical
+segmentation: the same bytes, different ids) for the ``noncanonical_rate`` knob.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from api.prompts.vocab import QWEN3, VocabTokenizer, qwen3_tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_TOKENIZER_PATH = ASSETS / "tokenizer.json"
@@ -22,8 +27,9 @@ IM_END = "<|im_end|>"
 END_OF_TEXT = "<|endoftext|>"
 
 
-def _byte_decoder() -> dict[str, int]:
-    """The inverse of the GPT-2 byte-to-unicode map used by the ByteLevel pre-tokenizer."""
+def _byte_encoder() -> dict[int, str]:
+    """The GPT-2 byte-to-unicode map of the ByteLevel pre-tokenizer (how vocabularies spell
+    token bytes, e.g. ``Ġ`` for a space)."""
     printable = (
         list(range(ord("!"), ord("~") + 1))
         + list(range(ord("¡"), ord("¬") + 1))
@@ -36,41 +42,106 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(byte)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_TO_CHAR = _byte_encoder()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+Encode = Callable[[str], list[int]]
+Decode = Callable[[list[int], bool], str]
 
 
 class EngineTokenizer:
-    """A loaded tokenizer with per-token bytes, special-token ids and split tables."""
+    """A loaded tokenizer with per-token bytes, special-token ids and split tables.
 
-    def __init__(self, path: str | Path = DEFAULT_TOKENIZER_PATH) -> None:
-        self.path = Path(path)
-        self.hf = Tokenizer.from_file(str(self.path))
-        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
-        added = self.hf.get_added_tokens_decoder()
-        self.special_ids = {i for i, tok in added.items() if tok.special}
-        self.added_ids = set(added)
-        self.im_start_id = self.hf.token_to_id(IM_START)
-        self.im_end_id = self.hf.token_to_id(IM_END)
+    Build one with :meth:`from_file` or :meth:`from_vocab`; ``name_or_path`` is the file,
+    or ``qwen3``.
+    """
+
+    def __init__(
+        self,
+        name_or_path: str,
+        *,
+        encode: Encode,
+        decode: Decode,
+        token_bytes: list[bytes],
+        added: dict[str, int],
+        special_ids: Iterable[int],
+    ) -> None:
+        self.name_or_path = name_or_path
+        self._encode = encode
+        self._decode = decode
+        self.token_bytes = token_bytes
+        self.vocab_size = len(token_bytes)
+        self.added = dict(added)
+        self.added_ids = set(self.added.values())
+        self.special_ids = set(special_ids)
+        self.im_start_id = self.added.get(IM_START)
+        self.im_end_id = self.added.get(IM_END)
         self.eos_id = self.im_end_id
-        byte_of = _byte_decoder()
-        self.token_bytes: list[bytes] = []
-        for token_id in range(self.vocab_size):
-            piece = self.hf.id_to_token(token_id)
-            if token_id in self.added_ids:
-                self.token_bytes.append(piece.encode("utf-8"))
-            else:
-                self.token_bytes.append(bytes(byte_of[ch] for ch in piece))
         self._id_of_bytes = {
             b: i for i, b in enumerate(self.token_bytes) if i not in self.added_ids
         }
 
+    @classmethod
+    def from_file(cls, path: str | Path = DEFAULT_TOKENIZER_PATH) -> EngineTokenizer:
+        """A byte-level ``tokenizer.json``; encode and decode are the `tokenizers` ones."""
+        hf = Tokenizer.from_file(str(path))
+        decoded = hf.get_added_tokens_decoder()
+        token_bytes = []
+        for token_id in range(hf.get_vocab_size(with_added_tokens=True)):
+            piece = hf.id_to_token(token_id)
+            if token_id in decoded:
+                token_bytes.append(piece.encode("utf-8"))
+            else:
+                token_bytes.append(bytes(_CHAR_TO_BYTE[ch] for ch in piece))
+        return cls(
+            str(path),
+            encode=lambda text: hf.encode(text, add_special_tokens=False).ids,
+            decode=lambda ids, skip: hf.decode(ids, skip_special_tokens=skip),
+            token_bytes=token_bytes,
+            added={token.content: i for i, token in decoded.items()},
+            special_ids=[i for i, token in decoded.items() if token.special],
+        )
+
+    @classmethod
+    def from_vocab(cls, vocab: VocabTokenizer) -> EngineTokenizer:
+        """A vocabulary of ``api.prompts.vocab`` (Qwen3's): its encode (NFC first, as
+        Qwen3's tokenizer normalizes) and decode, and every token's bytes read once."""
+        return cls(
+            str(vocab.name_or_path),
+            encode=vocab.encode,
+            decode=lambda ids, skip: vocab.decode(ids, skip_special_tokens=skip),
+            token_bytes=[vocab.token_bytes(i) for i in range(vocab.vocab_size)],
+            added=vocab.added,
+            special_ids=vocab.special_ids,
+        )
+
     # -- text <-> ids -------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Canonical ids of ``text``; special and added tokens written in it are recognised."""
-        return self.hf.encode(text, add_special_tokens=False).ids
+        return self._encode(text)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._decode(list(ids), skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of an added token, or of a vocabulary token spelled byte-level (``Ġthe``)."""
+        if token in self.added:
+            return self.added[token]
+        try:
+            raw = bytes(_CHAR_TO_BYTE[ch] for ch in token)
+        except KeyError:
+            return None
+        return self._id_of_bytes.get(raw)
+
+    def token_str(self, token_id: int) -> str:
+        """The token as its vocabulary spells it (``convert_ids_to_tokens``: ``Ġthe``)."""
+        raw = self.token_bytes[token_id]
+        if token_id in self.added_ids:
+            return raw.decode("utf-8")
+        return "".join(_BYTE_TO_CHAR[b] for b in raw)
 
     def token_text(self, token_id: int) -> str:
         """One token shown alone, as servers show it in logprobs (partial UTF-8 -> U+FFFD)."""
@@ -82,7 +153,11 @@ class EngineTokenizer:
 
     # -- grammar masks for sampled words -------------------------------------------------
     def _self_encoding(self, pattern: bytes) -> list[int]:
-        """Vocabulary tokens matching ``pattern`` that are their own canonical encoding."""
+        """Vocabulary tokens matching ``pattern`` that are their own canonical encoding.
+
+        The regex runs first, so only its matches (a sixth of Qwen3's vocabulary) are
+        encoded: the whole vocabulary takes well under a second.
+        """
         regex = re.compile(pattern)
         return [
             i
@@ -144,14 +219,18 @@ class StreamDecoder:
 
 
 @functools.cache
-def load_tokenizer(path: str | None = None) -> EngineTokenizer:
-    return EngineTokenizer(path or DEFAULT_TOKENIZER_PATH)
+def load_tokenizer(spec: str | None = None) -> EngineTokenizer:
+    """``qwen3`` (the real Qwen3 vocabulary), a ``tokenizer.json`` path, or the shipped one."""
+    if spec == QWEN3:
+        return EngineTokenizer.from_vocab(qwen3_tokenizer())
+    return EngineTokenizer.from_file(spec or DEFAULT_TOKENIZER_PATH)
 
 
 __all__ = [
     "EngineTokenizer",
     "StreamDecoder",
     "load_tokenizer",
+    "QWEN3",
     "IM_START",
     "IM_END",
     "END_OF_TEXT",

@@ -109,7 +109,7 @@ async def get_server_info(request: Request) -> dict:
     settings = engine.settings
     return {
         "model_path": settings.model,
-        "tokenizer_path": str(engine.tokenizer.path),
+        "tokenizer_path": engine.tokenizer.name_or_path,
         "served_model_name": settings.model,
         "context_length": settings.max_model_len,
         "random_seed": settings.seed,
@@ -128,7 +128,7 @@ async def get_model_info(request: Request) -> dict:
     engine = _engine(request)
     return {
         "model_path": engine.settings.model,
-        "tokenizer_path": str(engine.tokenizer.path),
+        "tokenizer_path": engine.tokenizer.name_or_path,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": replies.WEIGHT_VERSION,

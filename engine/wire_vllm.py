@@ -183,12 +183,10 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 async def tokenize(req: TokenizeRequest, request: Request) -> Response:
     engine = _engine(request)
     if req.messages is not None:
-        text = engine.render_chat(req.messages, req.tools, req.add_generation_prompt)
+        ids = engine.chat_prompt_ids(req.messages, req.tools, req.add_generation_prompt)
     else:
-        text = req.prompt or ""
-    ids = engine.tokenizer.encode(text)
-    hf = engine.tokenizer.hf
-    strs = [hf.id_to_token(i) for i in ids] if req.return_token_strs else None
+        ids = engine.tokenizer.encode(req.prompt or "")
+    strs = [engine.tokenizer.token_str(i) for i in ids] if req.return_token_strs else None
     return JSONBytesResponse(
         {
             "count": len(ids),

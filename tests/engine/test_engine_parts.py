@@ -9,6 +9,7 @@ import math
 import random
 
 import pytest
+from tokenizers import Tokenizer
 
 from engine import train_tokenizer
 from engine.generation import Engine, SamplingParams
@@ -28,7 +29,7 @@ from engine.template import (
     render,
     tools_from_prompt,
 )
-from engine.tokenizer import StreamDecoder, load_tokenizer
+from engine.tokenizer import DEFAULT_TOKENIZER_PATH, StreamDecoder, load_tokenizer
 from engine.tool_parser import parse_reply
 
 TOOLS = [
@@ -55,9 +56,9 @@ def tok():
 def test_shipped_tokenizer_has_the_chat_tokens(tok):
     assert 4000 <= tok.vocab_size <= 4200
     for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
-        assert tok.hf.token_to_id(name) in tok.special_ids
+        assert tok.token_to_id(name) in tok.special_ids
     for name in ("<tool_call>", "</tool_call>", "<think>", "</think>"):
-        token_id = tok.hf.token_to_id(name)
+        token_id = tok.token_to_id(name)
         assert token_id in tok.added_ids and token_id not in tok.special_ids
         assert tok.encode(f"a {name} b").count(token_id) == 1
 
@@ -65,7 +66,7 @@ def test_shipped_tokenizer_has_the_chat_tokens(tok):
 def test_training_reproduces_the_shipped_tokenizer():
     corpus = train_tokenizer.CORPUS_PATH.read_text(encoding="utf-8")
     trained = train_tokenizer.train(corpus)
-    assert trained.to_str() == load_tokenizer().hf.to_str()
+    assert trained.to_str() == Tokenizer.from_file(str(DEFAULT_TOKENIZER_PATH)).to_str()
 
 
 def test_encode_decode_round_trip_and_stream_decoding(tok):
@@ -87,7 +88,7 @@ def test_noncanonical_splits_keep_bytes_but_change_ids(tok):
             assert tok.encode(tok.decode([left, right])) == [token_id]
             split_any = True
     assert split_any
-    assert tok.splits(tok.im_end_id) == () and tok.splits(tok.hf.token_to_id("<think>")) == ()
+    assert tok.splits(tok.im_end_id) == () and tok.splits(tok.token_to_id("<think>")) == ()
 
 
 def test_template_renders_chatml_tools_think_and_tool_results():
@@ -259,7 +260,7 @@ def test_random_policy_is_seeded():
 
 def test_generation_ends_with_im_end_and_stops_like_vllm():
     engine = Engine(EngineSettings())
-    prompt = engine.tokenizer.encode(engine.render_chat([{"role": "user", "content": "hi"}], None))
+    prompt = engine.chat_prompt_ids([{"role": "user", "content": "hi"}], None)
     conversation = Conversation([{"role": "user", "content": "hi"}])
     [full] = engine.generate(prompt, conversation, SamplingParams(seed=1))
     assert full.token_ids[-1] == engine.tokenizer.im_end_id and full.finish_reason == "stop"
