@@ -98,7 +98,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
-        generation = await _generate(state, chat_request)
+        generation, headers = await _generate(state, chat_request)
     except Exception as exc:
         if intent is not None:
             await intent
@@ -123,26 +123,31 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     reply = dialect.reply(captured, body)
     if body.get("stream") is True:
         events = _delivered_stream(dialect.stream(reply, body), request, metrics)
-        return StreamingResponse(events, media_type="text/event-stream", headers=sse.SSE_HEADERS)
+        headers.update(sse.SSE_HEADERS)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     if await request.is_disconnected():
         await _unreceived(metrics, "the client disconnected before the reply was sent")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONBytesResponse(reply)
+    return JSONBytesResponse(reply, headers=headers)
 
 
-async def _generate(state: Any, chat_request: dict[str, Any]) -> Generation:
-    """One sampled reply. Text prompts: the engine renders the messages. Faithful prompts:
-    the front end builds the ids, the engine continues them token-in, and the reply is
-    read from the sampled ids (``api.prompts.faithful``)."""
+async def _generate(state: Any, chat_request: dict[str, Any]) -> tuple[Generation, dict]:
+    """One sampled reply, and the headers that say how its prompt was made.
+
+    Text prompts: the engine renders the messages. Faithful prompts: the front end builds
+    the ids, the engine continues them token-in, and the reply is read from the sampled
+    ids (``api.prompts.faithful``); ``x-tokcap-prompt`` says whether the prompt continued
+    a recorded call (found in this worker's memory or in the store) or was rendered whole.
+    """
     prompts: FaithfulPrompts | None = state.prompts
     if prompts is None:
-        return await state.upstream.chat(chat_request)
+        return await state.upstream.chat(chat_request), {}
     prompt = await prompts.build(chat_request)
     state.metrics.record_prompt(prompt.continued is not None, prompt.fallback)
     generation = await state.upstream.complete_ids(
         prompt.ids, prompt.sampling, chat_request.get("model")
     )
-    return prompts.served(prompt, generation)
+    return prompts.served(prompt, generation), {"x-tokcap-prompt": prompt.how}
 
 
 def _unavailable(dialect: Dialect) -> Response:

@@ -8,7 +8,9 @@ sampled from. Raw log-probs are told apart with two one-token calls on the same 
 temperature 1 and at the override's: the alternatives' log-probs at the first position
 differ only if the engine applies the temperature to them. It warns, naming them, about the
 sampling keys an engine's generation config may set (vLLM ``--generation-config auto``,
-SGLang ``--sampling-defaults model``) that ``sampling_overrides`` does not pin.
+SGLang ``--sampling-defaults model``) that ``sampling_overrides`` does not pin. With faithful
+prompts it also makes one token-in call, and refuses an engine that does not take it or
+whose vocabulary is not the renderer's tokenizer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.generation import UpstreamError
+from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.upstream import UpstreamClient
 from capture.errors import ConfigError
 
@@ -128,15 +131,45 @@ async def probe_engine(client: UpstreamClient) -> EngineReport:
     return report
 
 
+def _visible(text: str, vocab: Any) -> str:
+    """Text without the vocabulary's added tokens, which engines show or hide by setting."""
+    for token in vocab.added:
+        text = text.replace(token, "")
+    return text
+
+
+async def probe_token_in(client: UpstreamClient, prompts: FaithfulPrompts) -> None:
+    """Faithful prompts: the engine takes a token-id prompt and shares the renderer's
+    vocabulary (the text it decodes from the ids it sampled is the renderer's decoding)."""
+    prompt = await prompts.build({"messages": PROBE_MESSAGES, "max_tokens": 8})
+    generation = await client.complete_ids(prompt.ids, prompt.sampling)
+    family = client.engine
+    if generation.ids_problem is not None:
+        raise EngineRefused(_refusal(generation.ids_problem, family) + " (token-in call)")
+    ids = generation.generation_token_ids or []
+    ours = _visible(prompts.vocab.decode(ids, skip_special_tokens=False), prompts.vocab)
+    theirs = _visible(generation.text, prompts.vocab)
+    if ours.strip() != theirs.strip():
+        raise EngineRefused(
+            f"the engine decodes its sampled ids as {theirs[:60]!r}, model_server.renderer."
+            f"tokenizer as {ours[:60]!r}: the renderer's tokenizer is not the engine's; "
+            "point renderer.tokenizer at the served model's tokenizer"
+        )
+
+
 async def probe(settings: Any) -> EngineReport:
     """Probe the engine ``settings`` names, with its own short-lived client.
 
     An engine that cannot be reached is not refused (it may still be starting): the report
     says the probe was skipped, and every call is checked on its own anyway.
     """
+    prompts = faithful_prompts(settings)  # a renderer that cannot load fails here
     client = UpstreamClient.from_settings(settings)
     try:
-        return await probe_engine(client)
+        report = await probe_engine(client)
+        if prompts is not None:
+            await probe_token_in(client, prompts)
+        return report
     except UpstreamError as exc:
         if exc.status == 401:
             raise EngineRefused(

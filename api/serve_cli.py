@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 
 from api.probe import probe
+from api.prompts.faithful import faithful_prompts
 from api.settings import ENV_CONFIG, ServerSettings, settings_from_environment
 from api.upstream import where
 from capture.errors import ConfigError
@@ -86,6 +87,8 @@ def _checked_settings(variables: dict[str, str]) -> tuple[ServerSettings, str]:
             if sink is not None
             else "on, but no dir or sink is configured: tagged calls are served, not captured"
         )
+    if faithful_prompts(settings) is not None:  # a renderer that cannot load fails here
+        capture += f"; faithful prompts: {settings.renderer_name} on {settings.renderer_tokenizer}"
     return settings, capture
 
 

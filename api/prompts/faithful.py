@@ -42,15 +42,27 @@ class Prompt:
     sampling: dict[str, Any]
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    tools_allowed: bool = True  # False for tool_choice "none": calls stay text, as in vLLM
     continued: str | None = None  # the call this prompt extends, if any
+    found_in: str | None = None  # where that call was found: "memory" or "store"
     fallback: str | None = None  # why it was rendered whole despite an assistant turn
+
+    @property
+    def how(self) -> str:
+        """How the prompt was made, for the ``x-tokcap-prompt`` header and the metrics."""
+        if self.continued is not None:
+            return f"continued:{self.found_in}"
+        return f"fallback:{self.fallback}" if self.fallback else "root"
 
 
 class FaithfulPrompts:
     """Builds prompts with one renderer and remembers the calls this worker served."""
 
-    def __init__(self, renderer: Any, memory: LineageMemory | None = None) -> None:
+    def __init__(
+        self, renderer: Any, memory: LineageMemory | None = None, vocab: Any = None
+    ) -> None:
         self.renderer = renderer
+        self.vocab = vocab  # the renderer's tokenizer, when the caller has it
         self.memory = memory or LineageMemory()
         self.stop_token_ids = list(renderer.get_stop_token_ids())
 
@@ -65,7 +77,8 @@ class FaithfulPrompts:
     async def build(self, chat_request: Mapping[str, Any]) -> Prompt:
         messages = list(chat_request.get("messages") or [])
         tools = list(chat_request.get("tools") or []) or None
-        prompt = Prompt([], self.sampling(chat_request), messages, tools)
+        allowed = chat_request.get("tool_choice") != "none"
+        prompt = Prompt([], self.sampling(chat_request), messages, tools, allowed)
         history, new = split_history(messages)
         if not history:
             return _with(prompt, ids=self.render(messages, tools))
@@ -77,7 +90,12 @@ class FaithfulPrompts:
         )
         if bridged is None:
             return _with(prompt, ids=self.render(messages, tools), fallback=BRIDGE_REFUSED)
-        return _with(prompt, ids=list(bridged.token_ids), continued=found.model_call_id)
+        return _with(
+            prompt,
+            ids=list(bridged.token_ids),
+            continued=found.model_call_id,
+            found_in=found.found_in,
+        )
 
     def served(self, prompt: Prompt, generation: Generation) -> Generation:
         """The generation as the harness is served it: parsed from its ids, with lineage."""
@@ -107,7 +125,7 @@ class FaithfulPrompts:
         text = parsed.content or ""
         calls = []
         for call in parsed.tool_calls:
-            if str(call.status) == "ok" and call.name:
+            if prompt.tools_allowed and str(call.status) == "ok" and call.name:
                 arguments = call.arguments if call.arguments is not None else {}
                 calls.append(tool_call(call.id or new_id("call_"), call.name, arguments))
             else:
@@ -132,9 +150,9 @@ def faithful_prompts(settings: Any) -> FaithfulPrompts | None:
     if settings.prompts != "faithful":
         return None
     # Imported here: ``renderers`` takes 0.6 s to import, which text mode need not pay.
-    from api.prompts.renderer import build_renderer
+    from api.prompts.renderer import load_renderer
 
-    renderer = build_renderer(
+    renderer, vocab = load_renderer(
         settings.renderer_name, settings.renderer_tokenizer, settings.thinking_retention
     )
-    return FaithfulPrompts(renderer)
+    return FaithfulPrompts(renderer, vocab=vocab)

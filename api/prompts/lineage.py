@@ -30,6 +30,7 @@ class ContinuedCall:
     model_call_id: str
     prompt_ids: list[int]
     completion_ids: list[int]
+    found_in: str = "memory"  # "memory" (this worker served it) or "store"
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,6 @@ async def find_continued(memory: LineageMemory, keys: Sequence[str]) -> Continue
             return None
         if entry is not None:
             return ContinuedCall(
-                entry.model_call_id, entry.prompt_token_ids, entry.generation_token_ids
+                entry.model_call_id, entry.prompt_token_ids, entry.generation_token_ids, "store"
             )
     return None

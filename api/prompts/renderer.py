@@ -16,7 +16,7 @@ from typing import Any
 from renderers import create_renderer
 from renderers.configs import config_from_name
 
-from api.prompts.vocab import load_vocab
+from api.prompts.vocab import VocabTokenizer, load_vocab
 from capture.errors import ConfigError
 
 RETENTIONS = ("all", "tool_cycle", "template")
@@ -24,6 +24,13 @@ RETENTIONS = ("all", "tool_cycle", "template")
 
 def build_renderer(name: str, tokenizer: str, thinking_retention: str = "all") -> Any:
     """A renderer of the ``renderers`` package; ConfigError naming what is wrong."""
+    return load_renderer(name, tokenizer, thinking_retention)[0]
+
+
+def load_renderer(
+    name: str, tokenizer: str, thinking_retention: str = "all"
+) -> tuple[Any, VocabTokenizer]:
+    """The renderer and the tokenizer it renders with (the start-up probe decodes with it)."""
     if thinking_retention not in RETENTIONS:
         raise ConfigError(
             f"model_server.renderer.thinking_retention must be one of {', '.join(RETENTIONS)}, "
@@ -41,8 +48,9 @@ def build_renderer(name: str, tokenizer: str, thinking_retention: str = "all") -
         raise ConfigError("model_server.renderer.name must name a renderer, not 'auto'")
     config = config.model_copy(update={"thinking_retention": thinking_retention})
     try:
-        return create_renderer(vocab, config)
+        renderer = create_renderer(vocab, config)
     except (AssertionError, KeyError, ValueError) as exc:  # a vocabulary without its tokens
         raise ConfigError(
             f"renderer {name!r} cannot render with tokenizer {tokenizer!r}: {exc}"
         ) from None
+    return renderer, vocab
