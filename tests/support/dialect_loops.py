@@ -113,7 +113,10 @@ async def _anthropic(harness: Harness, loop: Loop) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"{loop.rollout_id}: list."}]
     for turn in range(loop.turns):
         client = anthropic.AsyncAnthropic(
-            base_url=harness.base(loop, turn), api_key="k", max_retries=0, http_client=harness.anthropic_http
+            base_url=harness.base(loop, turn),
+            api_key="k",
+            max_retries=0,
+            http_client=harness.anthropic_http,
         )
         kwargs = {"model": "m", "max_tokens": 512, "messages": messages, "tools": tools}
         if loop.stream:
