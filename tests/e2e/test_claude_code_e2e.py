@@ -217,11 +217,14 @@ def run_rollout(
     nonessential_traffic: bool,
     wire: str = "vllm",
     model: str = "claude-sonnet-4-5",
+    script: dict[str, Any] = SCRIPT,
+    engine_args: tuple[str, ...] = (),
+    frontend_env: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """One CLI rollout through capture and rebuild: (summary, submitted record, result)."""
     rollout_id = f"cc-{uuid.uuid4().hex[:10]}"
     script_path = workdir / "script.yaml"
-    script_path.write_text(yaml.safe_dump(SCRIPT))
+    script_path.write_text(yaml.safe_dump(script))
     spec = {
         "cli": str(cli),
         "workdir": str(workdir),
@@ -240,9 +243,10 @@ def run_rollout(
             str(workdir / "ground_truth.jsonl"),
             "--wire",
             wire,
+            *engine_args,
         ],
         "frontend_config": str(FRONTEND_CONFIG),
-        "frontend_env": {"TOKCAP_REDIS_URL": redis_url},
+        "frontend_env": {"TOKCAP_REDIS_URL": redis_url, **(frontend_env or {})},
         "claude_timeout": 120.0,
     }
     summary = run_driver(spec, workdir)
@@ -360,3 +364,74 @@ def test_title_call_is_an_extra_root(
     assert 0 < metrics["delivered_fraction"] < 1
     # The main chain is still the agent loop: the title's tokens are reported, not delivered.
     assert_delivers_agent_loop(result, agent_calls)
+
+
+# Seven Bash calls, each after thinking, then the answer: the CLI's agent loop on Qwen3.
+LONG_SCRIPT = {
+    "entries": [
+        SCRIPT["entries"][0],
+        *(
+            {
+                "turn": turn,
+                "think": f"Step {turn}: the next command shows more; Bash runs it.",
+                "text": "" if turn % 2 else f"Running step {turn}.",
+                "tool_calls": [
+                    {
+                        "name": "Bash",
+                        "arguments": {
+                            "command": "echo hello" if turn == 0 else f"echo step {turn}",
+                            "description": f"Print step {turn}",
+                        },
+                    }
+                ],
+            }
+            for turn in range(7)
+        ),
+        {"turn": 7, "think": "Every step printed.", "text": FINAL_TEXT},
+    ],
+    "default": {"text": "Done."},
+}
+# Qwen3's vocabulary and template, drifting as real serving does.
+QWEN3_ENGINE = ("--tokenizer", "qwen3", "--noncanonical-rate", "0.05", "--json-reserialize")
+FAITHFUL_ENV = {"TOKCAP_PROMPTS": "faithful", "TOKCAP_RENDERER_TOKENIZER": "qwen3"}
+
+
+@pytest.mark.parametrize("prompts", ["faithful", "text"])
+def test_claude_code_on_qwen3_is_one_chain_with_faithful_prompts(
+    claude_cli: Path,
+    netns: None,
+    redis_socket: str,
+    worker: subprocess.Popen,
+    tmp_path: Path,
+    prompts: str,
+) -> None:
+    """Seven tool calls with thinking on the Qwen3 engine: faithful prompts keep the CLI's
+    rollout one chain with every sampled token; text prompts split it, and say so."""
+    summary, _record, result = run_rollout(
+        claude_cli,
+        redis_socket,
+        tmp_path,
+        nonessential_traffic=False,
+        script=LONG_SCRIPT,
+        engine_args=QWEN3_ENGINE,
+        frontend_env=FAITHFUL_ENV if prompts == "faithful" else {},
+    )
+    truth = sampled(summary)
+    assert len(truth) == 8, "seven Bash calls, then the answer"
+    # (A token-in call's sampled text is not parsed by the engine: look for the markers.)
+    assert sum(bool(call["tool_calls"]) or "<tool_call>" in call["text"] for call in truth) == 7
+    assert all(call["reasoning"] for call in truth)
+    metrics = result["_ng_token_capture"]
+    assert metrics["n_calls"] == 8 and metrics["error"] is None, metrics
+    if prompts == "faithful":
+        assert result.get("mask_sample") is False, metrics
+        assert metrics["chains"] == 1 and metrics["roots"] == 1, metrics
+        assert metrics["delivered_fraction"] == 1.0
+        assert metrics["faithful_fallbacks"] == {}
+        assert_delivers_agent_loop(result, truth)
+    else:
+        # The template re-renders history other than sampled: reported, never delivered wrong.
+        assert metrics["chains"] > 1 and metrics["delivered_fraction"] < 1.0, metrics
+        if not result.get("mask_sample"):
+            delivered = [item["generation_token_ids"] for item in token_items(result)]
+            assert delivered == [call["token_ids"] for call in truth[-len(delivered) :]]
