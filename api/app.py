@@ -27,7 +27,7 @@ from api.generation import Generation, UpstreamError
 from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
-from api.prompts.faithful import FaithfulPrompts, faithful_prompts
+from api.prompts.faithful import FaithfulPrompts, Prompt, faithful_prompts
 from api.routing import CapturePrefixRouter, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
 from api.upstream import UpstreamClient
@@ -91,6 +91,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     try:
         body = await _json_body(request)
         chat_request = dialect.to_chat(body)
+        prompt = await _faithful_prompt(state, chat_request)
     except (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         metrics.record_call(dialect.name, "bad_request")
         message = str(exc) if not isinstance(exc, RecursionError) else "request nested too deeply"
@@ -98,7 +99,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
-        generation, headers = await _generate(state, chat_request)
+        generation = await _generate(state, chat_request, prompt)
     except Exception as exc:
         if intent is not None:
             await intent
@@ -121,6 +122,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         resolve_unserved("the call was answered 503")
         return _unavailable(dialect)
     reply = dialect.reply(captured, body)
+    headers = {"x-tokcap-prompt": prompt.how} if prompt is not None else {}
     if body.get("stream") is True:
         events = _delivered_stream(dialect.stream(reply, body), request, metrics)
         headers.update(sse.SSE_HEADERS)
@@ -131,23 +133,27 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     return JSONBytesResponse(reply, headers=headers)
 
 
-async def _generate(state: Any, chat_request: dict[str, Any]) -> tuple[Generation, dict]:
-    """One sampled reply, and the headers that say how its prompt was made.
-
-    Text prompts: the engine renders the messages. Faithful prompts: the front end builds
-    the ids, the engine continues them token-in, and the reply is read from the sampled
-    ids (``api.prompts.faithful``); ``x-tokcap-prompt`` says whether the prompt continued
-    a recorded call (found in this worker's memory or in the store) or was rendered whole.
-    """
+async def _faithful_prompt(state: Any, chat_request: dict[str, Any]) -> Prompt | None:
+    """Faithful prompts: the ids this call sends, continuing the call its history ends in
+    (``api.prompts.faithful``); None in text mode, where the engine renders the messages.
+    The ``x-tokcap-prompt`` reply header says how the prompt was made."""
     prompts: FaithfulPrompts | None = state.prompts
     if prompts is None:
-        return await state.upstream.chat(chat_request), {}
+        return None
     prompt = await prompts.build(chat_request)
     state.metrics.record_prompt(prompt.continued is not None, prompt.fallback)
+    return prompt
+
+
+async def _generate(state: Any, chat_request: dict[str, Any], prompt: Prompt | None) -> Generation:
+    """One sampled reply: the engine renders the chat request (text mode), or continues the
+    prompt's ids token-in and the reply is read from the sampled ids (faithful mode)."""
+    if prompt is None:
+        return await state.upstream.chat(chat_request)
     generation = await state.upstream.complete_ids(
         prompt.ids, prompt.sampling, chat_request.get("model")
     )
-    return prompts.served(prompt, generation), {"x-tokcap-prompt": prompt.how}
+    return state.prompts.served(prompt, generation)
 
 
 def _unavailable(dialect: Dialect) -> Response:
@@ -278,11 +284,18 @@ async def models(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
-    """Prompt length as the upstream renders it; not a model call, never captured."""
+    """Prompt length as the prompt would be rendered; not a model call, never captured."""
     try:
         chat_request = anthropic.count_request(await _json_body(request))
     except (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         return JSONResponse(anthropic.error_body(400, str(exc)), status_code=400)
+    prompts: FaithfulPrompts | None = request.app.state.prompts
+    if prompts is not None:  # the front end renders every prompt: count what it would send
+        try:
+            ids = prompts.render(chat_request["messages"], chat_request.get("tools"))
+        except RequestError as exc:
+            return JSONResponse(anthropic.error_body(400, str(exc)), status_code=400)
+        return JSONResponse({"input_tokens": len(ids)})
     client: UpstreamClient = request.app.state.upstream
     chat_request["model"] = await client.model_name(chat_request.get("model"))
     try:

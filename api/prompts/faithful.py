@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from api.dialects.common import new_id, tool_call
+from api.dialects.common import RequestError, new_id, tool_call
 from api.generation import Generation, with_changes
 from api.prompts.canonical import lineage_keys, split_history
 from api.prompts.lineage import LineageMemory, find_continued
@@ -32,6 +32,8 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
 NO_MATCH = "no_match"
 BRIDGE_REFUSED = "bridge_refused"
 FALLBACK_REASONS = (NO_MATCH, BRIDGE_REFUSED)
+# What a renderer raises for a conversation it cannot render (odd roles, content, tools).
+RENDER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, AssertionError, IndexError)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,11 @@ class FaithfulPrompts:
         return params
 
     def render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-        return list(self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True))
+        """The whole conversation rendered; RequestError when the renderer refuses it."""
+        try:
+            return list(self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True))
+        except RENDER_ERRORS as exc:
+            raise RequestError(f"the conversation cannot be rendered: {exc}") from None
 
     async def build(self, chat_request: Mapping[str, Any]) -> Prompt:
         messages = list(chat_request.get("messages") or [])
@@ -85,9 +91,12 @@ class FaithfulPrompts:
         found = await find_continued(self.memory, lineage_keys(history, tools))
         if found is None:
             return _with(prompt, ids=self.render(messages, tools), fallback=NO_MATCH)
-        bridged = self.renderer.bridge_to_next_turn(
-            found.prompt_ids, found.completion_ids, new, tools=tools
-        )
+        try:
+            bridged = self.renderer.bridge_to_next_turn(
+                found.prompt_ids, found.completion_ids, new, tools=tools
+            )
+        except RENDER_ERRORS:
+            bridged = None  # what the bridge cannot read, a whole render may (or refuses)
         if bridged is None:
             return _with(prompt, ids=self.render(messages, tools), fallback=BRIDGE_REFUSED)
         return _with(

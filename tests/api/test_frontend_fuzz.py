@@ -18,9 +18,20 @@ OPERATIONS = ["/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions
 MAX_EXAMPLES = 25
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory):
-    with both_servers(tmp_path_factory.mktemp("captures")) as running:
+# Prompt modes: the engine renders (text), or the front end does with a renderer (faithful).
+PROMPT_MODES = {
+    "text": ({}, {}),
+    "faithful": (
+        {"tokenizer_path": "qwen3"},
+        {"prompts": "faithful", "renderer_tokenizer": "qwen3"},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PROMPT_MODES))
+def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    engine, front = PROMPT_MODES[request.param]
+    with both_servers(tmp_path_factory.mktemp("captures"), engine=engine, **front) as running:
         yield running
 
 
