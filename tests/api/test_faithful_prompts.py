@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +22,7 @@ from api.generation import reply_generation
 from api.prompts.canonical import lineage_key, lineage_keys
 from api.prompts.faithful import BRIDGE_REFUSED, NO_MATCH, FaithfulPrompts
 from api.prompts.renderer import build_renderer
-from api.prompts.vocab import qwen3_tokenizer
+from api.prompts.vocab import load_vocab, qwen3_tokenizer
 from capture.context import capture_call, current_call
 from capture.errors import ConfigError
 from capture.filestore.store import TokenCaptureStore
@@ -259,3 +260,17 @@ def test_a_renderer_that_cannot_use_the_tokenizer_is_a_config_error():
 
 def test_entries_carry_the_fallback_reason():
     assert FALLBACK_FIELD == "faithful_fallback"
+
+
+@pytest.mark.parametrize("spec", ["qwen3", "file", "directory"])
+def test_vocabularies_round_trip_text_and_bytes(spec: str, tmp_path) -> None:
+    shipped = Path("engine/assets/tokenizer.json").resolve()
+    if spec == "directory":
+        (tmp_path / "tokenizer.json").write_bytes(shipped.read_bytes())
+    vocab = load_vocab({"qwen3": "qwen3", "file": str(shipped), "directory": str(tmp_path)}[spec])
+    text = 'Héllo <|im_start|>wörld\n  数据 {"a": [1, 2]}'
+    ids = vocab.encode(text)
+    assert vocab.decode(ids) == text
+    assert b"".join(vocab.token_bytes(i) for i in ids) == text.encode()
+    assert vocab.convert_tokens_to_ids("<|im_start|>") == vocab.added["<|im_start|>"]
+    assert vocab.decode(ids, skip_special_tokens=True) == text.replace("<|im_start|>", "")
