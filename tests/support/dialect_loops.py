@@ -60,6 +60,9 @@ class Loop:
     dialect: str
     stream: bool
     turns: int
+    # A user note beside each round of tool results, as Claude Code sends system reminders:
+    # a new user query, before which Qwen3's template drops earlier thinking.
+    remind: bool = False
     replies: list[dict[str, Any]] = field(default_factory=list)  # text and tool ids, in order
     error: str | None = None
 
@@ -108,6 +111,11 @@ def _result_text(loop: Loop, turn: int) -> str:
     return "a.py b.py" + (" quick" if turn % 3 == 2 else "")
 
 
+def _reminder(loop: Loop, turn: int) -> list[str]:
+    """The user note after this round's results (it repeats the cue the script reads)."""
+    return [f"Reminder: {_result_text(loop, turn)}"] if loop.remind else []
+
+
 async def _anthropic(harness: Harness, loop: Loop) -> None:
     tools = [{"name": TOOL_NAME, "description": "List files.", "input_schema": PARAMETERS}]
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"{loop.rollout_id}: list."}]
@@ -139,6 +147,7 @@ async def _anthropic(harness: Harness, loop: Loop) -> None:
             {"type": "tool_result", "tool_use_id": u.id, "content": _result_text(loop, turn)}
             for u in uses
         ]
+        results += [{"type": "text", "text": note} for note in _reminder(loop, turn)]
         messages.append({"role": "user", "content": results})
 
 
@@ -176,6 +185,7 @@ async def _chat(harness: Harness, loop: Loop) -> None:
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": _result_text(loop, turn)}
             )
+        messages += [{"role": "user", "content": note} for note in _reminder(loop, turn)]
 
 
 async def _responses(harness: Harness, loop: Loop) -> None:
@@ -202,6 +212,7 @@ async def _responses(harness: Harness, loop: Loop) -> None:
                     "output": _result_text(loop, turn),
                 }
             )
+        items += [{"role": "user", "content": note} for note in _reminder(loop, turn)]
 
 
 RUNNERS = {"anthropic": _anthropic, "chat": _chat, "responses": _responses}
@@ -245,25 +256,28 @@ def wrong(loop: Loop, record: dict[str, Any], truth: GroundTruth) -> str | None:
     """Why an unmasked record is not the answered calls as sampled, or None.
 
     A record may deliver fewer calls than were answered only when it says so (more than one
-    chain, a delivered fraction below one); those it delivers must then be the last calls
-    answered, in order: the chain the final answer ends.
+    chain, a delivered fraction below one); those it delivers must then be answered calls
+    in the order they were answered, ending with the last: the chain the final answer ends
+    (a call whose sampled ids the next prompt re-rendered otherwise is context there, not
+    a delivered call).
     """
     if record.get("mask_sample"):
         return None
     metrics = record["_ng_token_capture"]
     calls = _calls(record["response"]["output"])
-    replies = loop.replies
-    if len(calls) != len(replies):
+    if len(calls) != len(loop.replies):
         reported = metrics["chains"] > 1 and metrics["delivered_fraction"] < 1.0
-        if not reported or not calls or len(calls) > len(replies):
-            return f"unmasked with {len(calls)} calls; the harness was answered {len(replies)}"
-        replies = replies[-len(calls) :]
-    for turn, (items, reply) in enumerate(zip(calls, replies, strict=True)):
+        if not reported or not calls or len(calls) > len(loop.replies):
+            return f"unmasked with {len(calls)} calls; the harness was answered {len(loop.replies)}"
+    replies = iter(loop.replies)
+    for turn, items in enumerate(calls):
         if not truth.sampled(items[-1]):
             return f"call {turn}: ids or log-probs the engine never sampled"
         served = [item["call_id"] for item in items if item.get("type") == "function_call"]
-        if served != reply["tool_ids"]:
-            return f"call {turn}: a call other than the one the harness was answered by"
+        if not any(reply["tool_ids"] == served for reply in replies):
+            return f"call {turn}: not an answered call, in the order answered"
+    if served != loop.replies[-1]["tool_ids"]:
+        return "the delivered chain does not end in the last answered call"
     return None
 
 
@@ -317,7 +331,9 @@ async def judge(source: Any, loops: list[Loop], truth: GroundTruth) -> Figures:
     return figures
 
 
-def loops_for(prefix: str, count: int, *, dialects=DIALECTS, first_turns: int = 6) -> list[Loop]:
+def loops_for(
+    prefix: str, count: int, *, dialects=DIALECTS, first_turns: int = 6, remind: bool = False
+) -> list[Loop]:
     """``count`` loops cycling through dialects, streamed and not, of 6-10 turns."""
     return [
         Loop(
@@ -325,6 +341,7 @@ def loops_for(prefix: str, count: int, *, dialects=DIALECTS, first_turns: int = 
             dialects[index % len(dialects)],
             stream=(index // len(dialects)) % 2 == 1,
             turns=first_turns + index % 5,
+            remind=remind,
         )
         for index in range(count)
     ]
