@@ -15,9 +15,14 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
-from api.prompts.vocab import QWEN3, VocabTokenizer, qwen3_tokenizer
+from api.prompts.vocab import (
+    BYTE_TO_CHAR,
+    CHAR_TO_BYTE,
+    QWEN3,
+    VocabTokenizer,
+    file_tokenizer,
+    qwen3_tokenizer,
+)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_TOKENIZER_PATH = ASSETS / "tokenizer.json"
@@ -26,27 +31,6 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 END_OF_TEXT = "<|endoftext|>"
 
-
-def _byte_encoder() -> dict[int, str]:
-    """The GPT-2 byte-to-unicode map of the ByteLevel pre-tokenizer (how vocabularies spell
-    token bytes, e.g. ``Ġ`` for a space)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
-_BYTE_TO_CHAR = _byte_encoder()
-_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int], bool], str]
@@ -87,23 +71,7 @@ class EngineTokenizer:
     @classmethod
     def from_file(cls, path: str | Path = DEFAULT_TOKENIZER_PATH) -> EngineTokenizer:
         """A byte-level ``tokenizer.json``; encode and decode are the `tokenizers` ones."""
-        hf = Tokenizer.from_file(str(path))
-        decoded = hf.get_added_tokens_decoder()
-        token_bytes = []
-        for token_id in range(hf.get_vocab_size(with_added_tokens=True)):
-            piece = hf.id_to_token(token_id)
-            if token_id in decoded:
-                token_bytes.append(piece.encode("utf-8"))
-            else:
-                token_bytes.append(bytes(_CHAR_TO_BYTE[ch] for ch in piece))
-        return cls(
-            str(path),
-            encode=lambda text: hf.encode(text, add_special_tokens=False).ids,
-            decode=lambda ids, skip: hf.decode(ids, skip_special_tokens=skip),
-            token_bytes=token_bytes,
-            added={token.content: i for i, token in decoded.items()},
-            special_ids=[i for i, token in decoded.items() if token.special],
-        )
+        return cls.from_vocab(file_tokenizer(path))
 
     @classmethod
     def from_vocab(cls, vocab: VocabTokenizer) -> EngineTokenizer:
@@ -131,7 +99,7 @@ class EngineTokenizer:
         if token in self.added:
             return self.added[token]
         try:
-            raw = bytes(_CHAR_TO_BYTE[ch] for ch in token)
+            raw = bytes(CHAR_TO_BYTE[ch] for ch in token)
         except KeyError:
             return None
         return self._id_of_bytes.get(raw)
@@ -141,7 +109,7 @@ class EngineTokenizer:
         raw = self.token_bytes[token_id]
         if token_id in self.added_ids:
             return raw.decode("utf-8")
-        return "".join(_BYTE_TO_CHAR[b] for b in raw)
+        return "".join(BYTE_TO_CHAR[b] for b in raw)
 
     def token_text(self, token_id: int) -> str:
         """One token shown alone, as servers show it in logprobs (partial UTF-8 -> U+FFFD)."""

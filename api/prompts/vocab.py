@@ -88,7 +88,7 @@ class VocabTokenizer:
         self, text: str, *args: Any, add_special_tokens: bool = False, **kw: Any
     ) -> list[int]:
         """Canonical ids of ``text``; added tokens written in it are recognised."""
-        return self._encode(unicodedata.normalize("NFC", text))
+        return self._encode(text)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._decode_bytes(token_id)
@@ -132,9 +132,14 @@ def qwen3_tokenizer() -> VocabTokenizer:
         "qwen3", pat_str=QWEN_PATTERN, mergeable_ranks=ranks, special_tokens=added
     )
     special = [added[token] for token, is_special in QWEN3_ADDED if is_special]
+
+    def encode(text: str) -> list[int]:
+        # Qwen's tokenizer normalizes to NFC before BPE (tiktoken itself does not).
+        return encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+
     return VocabTokenizer(
         QWEN3,
-        functools.partial(encoding.encode, allowed_special="all"),
+        encode,
         encoding.decode_single_token_bytes,
         encoding.n_vocab,
         added,
@@ -142,8 +147,9 @@ def qwen3_tokenizer() -> VocabTokenizer:
     )
 
 
-def _byte_decoder() -> dict[str, int]:
-    """The inverse of the GPT-2 byte-to-unicode map of byte-level BPE vocabularies."""
+def _byte_encoder() -> dict[int, str]:
+    """The GPT-2 byte-to-unicode map of byte-level BPE vocabularies (how a vocabulary spells
+    token bytes, e.g. ``Ġ`` for a space)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     chars = printable[:]
     extra = 0
@@ -152,7 +158,11 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(byte)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+BYTE_TO_CHAR = _byte_encoder()
+CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 
 def file_tokenizer(path: str | Path) -> VocabTokenizer:
@@ -165,13 +175,12 @@ def file_tokenizer(path: str | Path) -> VocabTokenizer:
     hf = Tokenizer.from_file(str(path))
     decoded = hf.get_added_tokens_decoder()
     added = {token.content: token_id for token_id, token in decoded.items()}
-    byte_of = _byte_decoder()
 
     def token_bytes(token_id: int) -> bytes:
         piece = hf.id_to_token(token_id) or ""
         if token_id in decoded:
             return piece.encode("utf-8")
-        return bytes(byte_of.get(ch, 0) for ch in piece)
+        return bytes(CHAR_TO_BYTE.get(ch, 0) for ch in piece)
 
     return VocabTokenizer(
         str(path),
