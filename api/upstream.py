@@ -319,12 +319,17 @@ class UpstreamClient:
     ) -> Generation:
         """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked.
 
-        ``max_tokens`` is lowered at once to the room ``max_model_len`` leaves: the prompt's
-        length is known here, so no refusal has to name it.
+        ``max_tokens`` is lowered at once to the room ``max_model_len`` leaves (the prompt's
+        length is known here, so no refusal has to name it), and is that room when the
+        request names none, as a chat call's would be.
         """
         name = await self.model_name(model)
         adapter = self.adapter
         params = {**sampling, **self.sampling_overrides}
+        if params.get("max_tokens") is None and self.max_model_len is not None:
+            # A chat call without max_tokens may fill the context; a token-in call would
+            # stop at the route's own default (vLLM completions: 16, SGLang /generate: 128).
+            params["max_tokens"] = max(self.max_model_len - len(prompt_ids), 1)
         clamp = self._clamped(params, len(prompt_ids))
         path, body = adapter.tokens_body(prompt_ids, name, params)
         response = await self._post(path, body)

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from api.probe import EngineRefused, probe
 from api.settings import ServerSettings
@@ -172,3 +173,21 @@ async def test_the_probe_refuses_an_engine_without_ids_or_log_probs(mode: str, e
 async def test_an_engine_not_up_yet_is_not_refused() -> None:
     report = await probe(ServerSettings(upstream="http://127.0.0.1:9", sampling_overrides=PINNED))
     assert "probe skipped" in report.warnings[0] and "unreachable" in report.warnings[0]
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_token_in_call_without_max_tokens_may_fill_the_context(wire: str, tmp_path) -> None:
+    """As a chat call without max_tokens would; not the route's default (SGLang: 128)."""
+    script = tmp_path / "script.yaml"
+    script.write_text(yaml.safe_dump({"default": {"text": " ".join(["word"] * 300)}}))
+    with engine_server(wire=wire, script_path=str(script), max_model_len=4096) as engine:
+        upstream = UpstreamClient(engine)
+        try:
+            first = await upstream.chat({"messages": HELLO, "max_tokens": 5})
+            generation = await upstream.complete_ids(first.prompt_token_ids, dict(PINNED))
+        finally:
+            await upstream.close()
+    assert generation.ids_problem is None, generation.ids_problem
+    assert generation.finish_reason == "stop"
+    assert len(generation.generation_token_ids) > 300
+    assert generation.max_tokens_clamp is None
