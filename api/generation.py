@@ -175,6 +175,17 @@ def prompt_problem(
     )
 
 
+def sent_prompt_problem(ids: list[int], usage: Mapping[str, Any]) -> str | None:
+    """Why the prompt of a token-in call cannot be trusted, or None.
+
+    The front end built these ids itself, so only the engine's own count of them is read;
+    a vocabulary other than the engine's is refused once, at start-up (``api.probe``).
+    """
+    if not ids:
+        return "the prompt ids are empty; a rendered chat prompt has tokens"
+    return count_problem("prompt", len(ids), usage, "prompt_tokens")
+
+
 def served(generation: Generation) -> str:
     """What the harness is shown of a generation, named for a message ('' for nothing)."""
     shown = [

@@ -28,6 +28,7 @@ from api.generation import (
     logprob_problem,
     prompt_problem,
     reply_generation,
+    sent_prompt_problem,
 )
 
 NAME = "sglang"
@@ -186,5 +187,5 @@ def read_tokens(
     )
     problem = problem or value_problem
     if problem is None:
-        problem = prompt_problem(list(prompt_ids), usage, vocab_size)
+        problem = sent_prompt_problem(prompt_ids, usage)
     return finish(generation, problem, vocab_size)

@@ -30,6 +30,7 @@ from api.generation import (
     logprob_problem,
     prompt_problem,
     reply_generation,
+    sent_prompt_problem,
 )
 
 NAME = "vllm"
@@ -214,8 +215,8 @@ def read_tokens(
         log_probs=log_probs,
     )
     problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy=False)
-    if problem is None and choice.get("prompt_token_ids") != list(prompt_ids):
+    if problem is None and choice.get("prompt_token_ids") != prompt_ids:
         problem = "the engine's prompt_token_ids are not the prompt ids sent"
     if problem is None:
-        problem = prompt_problem(list(prompt_ids), generation.usage, vocab_size)
+        problem = sent_prompt_problem(prompt_ids, generation.usage)
     return finish(generation, problem, vocab_size)

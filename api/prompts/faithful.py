@@ -21,7 +21,7 @@ from typing import Any
 
 from api.dialects.common import RequestError, new_id, tool_call
 from api.generation import Generation, with_changes
-from api.prompts.canonical import lineage_keys, split_history
+from api.prompts.canonical import Lineage, split_history
 from api.prompts.lineage import LineageMemory, find_continued
 from capture.context import current_call
 from capture.lineage import FALLBACK_FIELD, LINEAGE_FIELD
@@ -44,6 +44,7 @@ class Prompt:
     sampling: dict[str, Any]
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    lineage: Lineage  # of the request's messages: the reply's keys extend it
     tools_allowed: bool = True  # False for tool_choice "none": calls stay text, as in vLLM
     continued: str | None = None  # the call this prompt extends, if any
     found_in: str | None = None  # where that call was found: "memory" or "store"
@@ -84,11 +85,12 @@ class FaithfulPrompts:
         messages = list(chat_request.get("messages") or [])
         tools = list(chat_request.get("tools") or []) or None
         allowed = chat_request.get("tool_choice") != "none"
-        prompt = Prompt([], self.sampling(chat_request), messages, tools, allowed)
+        lineage = Lineage.of(messages, tools)
+        prompt = Prompt([], self.sampling(chat_request), messages, tools, lineage, allowed)
         history, new = split_history(messages)
         if not history:
             return _with(prompt, ids=self.render(messages, tools))
-        found = await find_continued(self.memory, lineage_keys(history, tools))
+        found = await find_continued(self.memory, lineage.history)
         if found is None:
             return _with(prompt, ids=self.render(messages, tools), fallback=NO_MATCH)
         try:
@@ -112,7 +114,7 @@ class FaithfulPrompts:
             return generation
         ids = generation.generation_token_ids
         message = self.parsed_message(ids, prompt)
-        keys = lineage_keys([*prompt.messages, message], prompt.tools)
+        keys = prompt.lineage.with_reply(message).all_names()
         call = current_call()
         if call is not None:
             self.memory.remember(call.rollout_id, keys, call.model_call_id, prompt.ids, ids)

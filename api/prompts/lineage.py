@@ -9,7 +9,6 @@ never waits on the store. A request for a call another worker or node served ask
 from __future__ import annotations
 
 import logging
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,8 +18,10 @@ from capture.protocols import LineageSource
 
 log = logging.getLogger("tokcap.prompts")
 
-# Tokens a worker keeps of served calls: 32 M ids is 128 MB of int32 arrays.
-DEFAULT_BUDGET_TOKENS = 32_000_000
+# Tokens a worker keeps of served calls (about 36 bytes each as Python ints: 256 MB).
+DEFAULT_BUDGET_TOKENS = 8_000_000
+# Sequences kept per rollout: its main line, and a few others (a title, a sub-agent).
+BRANCHES_PER_ROLLOUT = 4
 
 
 @dataclass(frozen=True)
@@ -33,51 +34,78 @@ class ContinuedCall:
     found_in: str = "memory"  # "memory" (this worker served it) or "store"
 
 
-@dataclass(frozen=True)
-class _Remembered:
-    model_call_id: str
-    sequence: array
-    prompt_len: int
+@dataclass
+class _Branch:
+    """One growing sequence of a rollout; each call on it is a prefix (its two lengths)."""
+
+    sequence: list[int]
+    calls: dict[str, tuple[str, int, int]]  # lineage key -> (call id, prompt end, end)
 
 
 class LineageMemory:
-    """Calls this worker served, by rollout and lineage key; least recently used out first."""
+    """Calls this worker served, by rollout and lineage key; least recently used out first.
+
+    A rollout's calls mostly form one line, each prompt extending the previous call's
+    sequence, so they share one list: remembering a call appends only what it added, and
+    recalling one slices it. A call that extends no kept sequence starts a branch.
+    """
 
     def __init__(self, budget_tokens: int = DEFAULT_BUDGET_TOKENS) -> None:
         self._budget = budget_tokens
         self._tokens = 0
-        self._calls: OrderedDict[tuple[str, str], _Remembered] = OrderedDict()
+        self._rollouts: OrderedDict[str, list[_Branch]] = OrderedDict()
 
     def remember(
         self,
         rollout_id: str,
         keys: Sequence[str],
         model_call_id: str,
-        prompt_ids: Sequence[int],
-        completion_ids: Sequence[int],
+        prompt_ids: list[int],
+        completion_ids: list[int],
     ) -> None:
-        sequence = array("i", prompt_ids)
-        sequence.extend(completion_ids)
-        remembered = _Remembered(model_call_id, sequence, len(prompt_ids))
+        branches = self._rollouts.setdefault(rollout_id, [])
+        self._rollouts.move_to_end(rollout_id)
+        branch = _extended(branches, prompt_ids)
+        if branch is None:
+            branch = _Branch(list(prompt_ids), {})
+            branches.append(branch)
+            self._tokens += len(prompt_ids)
+            if len(branches) > BRANCHES_PER_ROLLOUT:
+                self._tokens -= len(branches.pop(0).sequence)
+        else:
+            added = prompt_ids[len(branch.sequence) :]
+            branch.sequence.extend(added)
+            self._tokens += len(added)
+        branch.sequence.extend(completion_ids)
+        self._tokens += len(completion_ids)
         for key in keys:
-            self._forget((rollout_id, key))
-            self._calls[rollout_id, key] = remembered
-            self._tokens += len(sequence)
-        while self._tokens > self._budget and self._calls:
-            self._forget(next(iter(self._calls)))
-
-    def _forget(self, name: tuple[str, str]) -> None:
-        old = self._calls.pop(name, None)
-        if old is not None:
-            self._tokens -= len(old.sequence)
+            branch.calls[key] = (model_call_id, len(prompt_ids), len(branch.sequence))
+        while self._tokens > self._budget and len(self._rollouts) > 1:
+            _, dropped = self._rollouts.popitem(last=False)
+            self._tokens -= sum(len(b.sequence) for b in dropped)
 
     def recall(self, rollout_id: str, key: str) -> ContinuedCall | None:
-        found = self._calls.get((rollout_id, key))
-        if found is None:
-            return None
-        self._calls.move_to_end((rollout_id, key))
-        ids = found.sequence.tolist()
-        return ContinuedCall(found.model_call_id, ids[: found.prompt_len], ids[found.prompt_len :])
+        for branch in self._rollouts.get(rollout_id, ()):
+            found = branch.calls.get(key)
+            if found is not None:
+                call_id, prompt_end, end = found
+                sequence = branch.sequence
+                return ContinuedCall(call_id, sequence[:prompt_end], sequence[prompt_end:end])
+        return None
+
+
+def _extended(branches: list[_Branch], prompt_ids: list[int]) -> _Branch | None:
+    """The branch whose whole sequence ``prompt_ids`` starts with (last ids compared first)."""
+    for branch in reversed(branches):
+        sequence = branch.sequence
+        length = len(sequence)
+        if (
+            0 < length <= len(prompt_ids)
+            and prompt_ids[length - 1] == sequence[-1]
+            and prompt_ids[:length] == sequence
+        ):
+            return branch
+    return None
 
 
 async def find_continued(memory: LineageMemory, keys: Sequence[str]) -> ContinuedCall | None:

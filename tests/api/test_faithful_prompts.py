@@ -21,6 +21,7 @@ from api.capture_step import call_entry, output_items
 from api.generation import reply_generation
 from api.prompts.canonical import lineage_key, lineage_keys
 from api.prompts.faithful import BRIDGE_REFUSED, NO_MATCH, FaithfulPrompts
+from api.prompts.lineage import ContinuedCall, LineageMemory
 from api.prompts.renderer import build_renderer
 from api.prompts.vocab import load_vocab, qwen3_tokenizer
 from capture.context import capture_call, current_call
@@ -274,3 +275,17 @@ def test_vocabularies_round_trip_text_and_bytes(spec: str, tmp_path) -> None:
     assert b"".join(vocab.token_bytes(i) for i in ids) == text.encode()
     assert vocab.convert_tokens_to_ids("<|im_start|>") == vocab.added["<|im_start|>"]
     assert vocab.decode(ids, skip_special_tokens=True) == text.replace("<|im_start|>", "")
+
+
+def test_the_lineage_memory_shares_a_line_and_keeps_branches_within_its_budget() -> None:
+    memory = LineageMemory(budget_tokens=40)
+    memory.remember("r", ["k1"], "c1", [1, 2, 3], [4, 5])
+    memory.remember("r", ["k2", "k2-bare"], "c2", [1, 2, 3, 4, 5, 6], [7])  # extends c1
+    memory.remember("r", ["k3"], "c3", [1, 2, 3], [9])  # a retry of c1: a branch
+    assert memory.recall("r", "k1") == ContinuedCall("c1", [1, 2, 3], [4, 5])
+    assert memory.recall("r", "k2-bare") == ContinuedCall("c2", [1, 2, 3, 4, 5, 6], [7])
+    assert memory.recall("r", "k3") == ContinuedCall("c3", [1, 2, 3], [9])
+    assert memory.recall("other", "k1") is None and memory.recall("r", "nope") is None
+    memory.remember("s", ["s1"], "d1", list(range(30)), [0])  # over budget: r goes first
+    assert memory.recall("r", "k1") is None
+    assert memory.recall("s", "s1") == ContinuedCall("d1", list(range(30)), [0])
