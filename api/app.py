@@ -30,6 +30,7 @@ from api.metrics import FrontEndMetrics
 from api.prompts.faithful import FaithfulPrompts, Prompt, faithful_prompts
 from api.routing import CapturePrefixRouter, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
+from api.traits import with_traits
 from api.upstream import UpstreamClient
 from capture.context import (
     begin_call,
@@ -99,7 +100,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
-        generation = await _generate(state, chat_request, prompt)
+        generation = with_traits(await _generate(state, chat_request, prompt), body, chat_request)
     except Exception as exc:
         if intent is not None:
             await intent

@@ -9,6 +9,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "training_samples": "capture.samples",
+    "TrainingSample": "capture.samples",
     "TokenEntry": "capture.records",
     "TokenCaptureSnapshot": "capture.records",
     "SCHEMA_VERSION": "capture.records",

@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -47,6 +47,10 @@ class TokenIdCaptureConfig(BaseModel):
     sink_kwargs: dict[str, Any] = Field(default_factory=dict)
     rebuild_response: bool = True
     max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    # chain: the main chain only; segments: every other chain too, under _ng_token_segments.
+    delivery: Literal["chain", "segments"] = "chain"
+    # A rollout that delivers a smaller share of what it sampled is masked (null: never).
+    min_delivered_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @field_validator("dir", "sink", mode="before")
     @classmethod

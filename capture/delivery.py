@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from capture.build.builder import BuildResult, run_builder
+from capture.build.segments import SEGMENTS_KEY
 from capture.errors import InvalidRolloutIdError, TokenCaptureError
 from capture.records import TOKEN_FIELDS, TokenCaptureSnapshot
 from capture.rollout_ids import rollout_id_from_run_body, validate_rollout_id
@@ -177,9 +178,19 @@ def _error_kind(exc: Exception) -> ErrorKind:
 
 
 async def finalize_rollout_token_capture(
-    result: Any, source: Any, *, rollout_id: str | None = None
+    result: Any,
+    source: Any,
+    *,
+    rollout_id: str | None = None,
+    delivery: str = "chain",
+    min_delivered_fraction: float | None = None,
 ) -> RolloutBuild:
-    """Freeze, rebuild and attach the rollout's tokens to ``result``; never raises."""
+    """Freeze, rebuild and attach the rollout's tokens to ``result``; never raises.
+
+    ``delivery="segments"`` also attaches every other chain under ``_ng_token_segments``;
+    ``min_delivered_fraction`` masks a rollout that delivers a smaller share of what it
+    sampled (``token_id_capture`` has both keys).
+    """
     snapshot: TokenCaptureSnapshot | None = None
     try:
         output = check_record(result)
@@ -187,17 +198,19 @@ async def finalize_rollout_token_capture(
             return RolloutBuild(rollout_id=rollout_id, status="skipped")
         rollout_id = record_rollout_id(result, rollout_id)
         snapshot = await _freeze(source, rollout_id)
-        build = run_builder(snapshot, final_answer=output)
+        build = run_builder(snapshot, final_answer=output, delivery=delivery)
         if build.rollout_id != rollout_id:
             raise TokenCaptureError(
                 f"source returned a snapshot of rollout {build.rollout_id!r} for {rollout_id!r}"
             )
-        reasons = _mask_reasons(snapshot, build)
+        reasons = _mask_reasons(snapshot, build, min_delivered_fraction)
         summary = RolloutSummary.of_build(
             build, capture_incomplete=bool(snapshot.incomplete), mask_reasons=reasons
         )
         if not reasons:
             result["response"]["output"] = list(build.output)
+            if delivery == "segments":
+                result[SEGMENTS_KEY] = [segment.as_dict() for segment in build.segments]
         _mark(result, bool(reasons), summary)
         return RolloutBuild(
             rollout_id=rollout_id,
@@ -231,12 +244,19 @@ def _failed(
     )
 
 
-def _mask_reasons(snapshot: TokenCaptureSnapshot, build: BuildResult) -> list[str]:
+def _mask_reasons(
+    snapshot: TokenCaptureSnapshot, build: BuildResult, min_fraction: float | None
+) -> list[str]:
     reasons = []
     if snapshot.incomplete:
         detail = "; ".join(getattr(snapshot, "incomplete_reasons", ()) or ())
         reasons.append("incomplete capture" + (f": {detail}" if detail else ""))
     reasons.extend(build.mask_reasons)
+    if min_fraction is not None and build.delivered_fraction < min_fraction and not reasons:
+        reasons.append(
+            f"delivered fraction {build.delivered_fraction:.3f} is below "
+            f"min_delivered_fraction {min_fraction}"
+        )
     return reasons
 
 

@@ -7,6 +7,7 @@ shorter dict. The README's metrics table documents each field.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +30,12 @@ class RolloutSummary:
     main_chain_calls: int = 0
     main_chain_by: str = ""  # "final_answer", "only_root", or "" when nothing is delivered
     discarded_retries: int = 0  # retries a later call did not extend, dropped
+    identical_retries: int = 0  # retries that sampled exactly the same, folded into one call
     unresolved_retries: int = 0  # groups of retries none of which was extended
     # Faithful prompts rendered whole although the history held an assistant turn, by reason.
     faithful_fallbacks: dict[str, int] = field(default_factory=dict)
+    # delivery: segments: the segments delivered beside the main chain, by role.
+    segments: dict[str, int] = field(default_factory=dict)
     capture_incomplete: bool | None = None  # None: no snapshot was read
     mask_reasons: list[str] = field(default_factory=list)  # empty: delivered unmasked
     error: str | None = None  # a failed build's error
@@ -55,8 +59,10 @@ class RolloutSummary:
             main_chain_calls=len(build.main_chain),
             main_chain_by=build.main_chain_by,
             discarded_retries=len(build.discarded_retries),
+            identical_retries=len(build.identical_retries),
             unresolved_retries=len(build.unresolved_retries),
             faithful_fallbacks=dict(build.faithful_fallbacks),
+            segments=dict(sorted(Counter(segment.role for segment in build.segments).items())),
             capture_incomplete=capture_incomplete,
             mask_reasons=list(mask_reasons),
         )

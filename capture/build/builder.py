@@ -34,6 +34,7 @@ from typing import Any
 
 from capture.build.final_answer import answer_signature
 from capture.build.projection import flat_ids_and_mask, project_chain
+from capture.build.segments import Segment, role_of, segments_of
 from capture.errors import ConflictingEntryError
 from capture.lineage import FALLBACK_FIELD
 from capture.records import TokenEntry
@@ -41,6 +42,8 @@ from capture.records import TokenEntry
 # Full sequences are grouped by their first tokens, so an unrelated root (a title call with
 # its own system prompt) is never compared against every call of the main chain.
 _KEY_TOKENS = 32
+# What a rebuild delivers: the main chain only, or every chain (the others as segments).
+DELIVERIES = ("chain", "segments")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,10 @@ class BuildResult:
     # Faithful prompts rendered whole although their history held an assistant turn, by
     # reason (``capture.lineage``): each began a new root.
     faithful_fallbacks: dict[str, int] = field(default_factory=dict)
+    # Calls folded into an identical earlier call (same prompt, ids and log-probs).
+    identical_retries: tuple[str, ...] = ()
+    main_role: str = ""  # the main chain's role, as segments are labelled ("other" usually)
+    segments: tuple[Segment, ...] = field(default=(), repr=False)  # delivery="segments"
 
     @property
     def masked(self) -> bool:
@@ -341,12 +348,17 @@ def _mask_reasons(
     return reasons
 
 
-def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildResult:
+def run_builder(
+    entries_or_snapshot: Any, *, final_answer: Any = None, delivery: str = "chain"
+) -> BuildResult:
     """Rebuild a rollout from a snapshot or an iterable of entries.
 
     ``final_answer`` is what the harness returned (its ``response.output`` items, one item,
-    or a string); it picks the main chain when exactly one leaf produced it.
+    or a string); it picks the main chain when exactly one leaf produced it. With
+    ``delivery="segments"`` every other chain is delivered too (``BuildResult.segments``).
     """
+    if delivery not in DELIVERIES:
+        raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}, not {delivery!r}")
     rollout_id, entries = _entries_of(entries_or_snapshot)
     entries = _unique(entries)
     empty = tuple(sorted(e.model_call_id for e in entries if not e.generation_token_ids))
@@ -357,20 +369,23 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
     calls, unreceived = _without_unreceived(
         calls, set(getattr(entries_or_snapshot, "unreceived", ()))
     )
+    calls, identical = _fold_identical(calls)
     graph = _graph(calls)
     ids = graph.ids
     discarded, unresolved = _settle_retries(graph)
-    kept = [position for position in range(len(calls)) if position not in discarded]
-    roots = sorted(
-        (position for position in kept if graph.parents[position] is None),
-        key=lambda position: (calls[position].created_at, ids[position]),
-    )
-    leaves = [position for position in kept if not graph.has_child[position]]
+    kept, roots, leaves = _survivors(graph, discarded)
     main_leaf, main_by, unmatched = _main_leaf(
         calls, ids, leaves, roots, graph.root_of, final_answer
     )
+    if main_by == "final_answer" and unresolved:
+        # A retry of the final call, none extended: the final answer names the one kept.
+        unresolved = _resolve_by_answer(graph, unresolved, ids[main_leaf], discarded)
+        kept, roots, leaves = _survivors(graph, discarded)
     main_path = _path_to(graph, main_leaf)
     main_entries = tuple(calls[position] for position in main_path)
+    chains = _chains(graph, leaves, roots, main_leaf)
+    segments = _segments(graph, chains, main_path) if delivery == "segments" else []
+    delivered = graph.generated[main_leaf] if main_leaf is not None else 0
     return BuildResult(
         rollout_id=rollout_id,
         n_calls=len(entries),
@@ -380,7 +395,7 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
         },
         main_chain=tuple(ids[position] for position in main_path),
         main_chain_by=main_by,
-        chains=_chains(graph, leaves, roots, main_leaf),
+        chains=chains,
         roots=tuple(ids[root] for root in roots),
         quarantined=tuple(sorted(ids[p] for p in range(len(calls)) if graph.ambiguous[p])),
         empty_generation=empty,
@@ -388,12 +403,77 @@ def run_builder(entries_or_snapshot: Any, *, final_answer: Any = None) -> BuildR
         discarded_retries=tuple(sorted(ids[position] for position in discarded)),
         unresolved_retries=tuple(sorted(unresolved)),
         generated_tokens_captured=sum(len(e.generation_token_ids) for e in entries),
-        generated_tokens_delivered=graph.generated[main_leaf] if main_leaf is not None else 0,
+        generated_tokens_delivered=delivered + sum(s.generated_tokens for s in segments),
         mask_reasons=tuple(_mask_reasons(graph, len(entries), unmatched, unresolved, main_path)),
         output=tuple(project_chain(main_entries)),
         main_entries=main_entries,
         faithful_fallbacks=_fallbacks(entries),
+        identical_retries=identical,
+        main_role=role_of(main_entries, None) if main_entries else "",
+        segments=tuple(segments),
     )
+
+
+def _survivors(graph: _Graph, discarded: set[int]) -> tuple[list[int], list[int], list[int]]:
+    """(kept calls, roots by creation, leaves) once the discarded retries are left out."""
+    kept = [position for position in range(len(graph.calls)) if position not in discarded]
+    roots = sorted(
+        (position for position in kept if graph.parents[position] is None),
+        key=lambda position: (graph.calls[position].created_at, graph.ids[position]),
+    )
+    leaves = [position for position in kept if not graph.has_child[position]]
+    return kept, roots, leaves
+
+
+def _resolve_by_answer(
+    graph: _Graph, unresolved: list[tuple[str, ...]], main_id: str, discarded: set[int]
+) -> list[tuple[str, ...]]:
+    """Unresolved retry groups left once the one the final answer chose is kept."""
+    position_of = {call_id: position for position, call_id in enumerate(graph.ids)}
+    left = []
+    for group in unresolved:
+        if main_id in group:
+            discarded.update(position_of[call_id] for call_id in group if call_id != main_id)
+        else:
+            left.append(group)
+    return left
+
+
+def _fold_identical(calls: list[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
+    """One call per identical sampled sequence (prompt, ids and log-probs): a retry that
+    sampled exactly the same is the same call, not an ambiguity. The earliest is kept."""
+    seen: dict[tuple[int, tuple[int, ...], tuple[float, ...]], list[TokenEntry]] = {}
+    kept: list[TokenEntry] = []
+    folded: list[str] = []
+    for call in sorted(calls, key=lambda c: (c.created_at, c.model_call_id)):
+        key = (
+            len(call.prompt_token_ids),
+            tuple(call.generation_token_ids),
+            tuple(call.generation_log_probs),
+        )
+        twins = seen.setdefault(key, [])
+        if any(twin.prompt_token_ids == call.prompt_token_ids for twin in twins):
+            folded.append(call.model_call_id)
+            continue
+        twins.append(call)
+        kept.append(call)
+    if not folded:
+        return calls, ()
+    kept.sort(key=lambda e: (len(e.prompt_token_ids), e.model_call_id))
+    return kept, tuple(sorted(folded))
+
+
+def _segments(graph: _Graph, chains: tuple[ChainInfo, ...], main_path: list[int]) -> list:
+    """The chains beside the main one, as segments (none when nothing is delivered)."""
+    if not main_path:
+        return []
+    position_of = {call_id: position for position, call_id in enumerate(graph.ids)}
+    paths = [
+        _path_to(graph, position_of[chain.leaf])
+        for chain in chains
+        if not chain.main and not chain.quarantined
+    ]
+    return segments_of(graph.calls, paths, main_path)
 
 
 def _fallbacks(entries: list[TokenEntry]) -> dict[str, int]:

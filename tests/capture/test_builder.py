@@ -95,6 +95,8 @@ def test_a_retry_that_nobody_extended_is_unresolved_and_masks():
 def test_two_identical_candidate_parents_quarantine_the_child_and_mask_the_delivered_chain():
     calls = chain_entries(2)
     twin = entry("c001-twin", calls[1].prompt_token_ids, calls[1].generation_token_ids)
+    # The same ids with other log-probs: not the same sample, so the child is ambiguous.
+    twin.generation_log_probs = [value - 1.0 for value in twin.generation_log_probs]
     child = entry("c002", full(calls[1]) + fresh(1), fresh(2), text="done")
     build = run_builder([*calls, twin, child], final_answer=[message("done")])
     assert build.quarantined == ("c002",)
@@ -110,6 +112,7 @@ def test_an_ambiguous_call_off_the_delivered_chain_is_reported_not_masked():
     calls = chain_entries(3)
     title = entry("title-a", [70, 71], [72], text="Title")
     title_twin = entry("title-b", [70, 71], [72], text="Title")
+    title_twin.generation_log_probs = [-3.0]  # the same id, another sample
     title_next = entry("title-c", [70, 71, 72, 73], [74], text="Title 2")
     build = run_builder([*calls, title, title_twin, title_next], final_answer=[message("c says 2")])
     assert build.main_chain == ("c000", "c001", "c002")
@@ -409,8 +412,11 @@ def test_an_unreceived_call_beside_its_retry_is_no_unresolved_retry():
     build = run_builder(snapshot, final_answer=[message("c says 2")])
     assert not build.masked, build.mask_reasons
     assert build.main_chain == ("c000", "c001", "c002") and build.unreceived == ("c002x",)
-    # Unnoted, the two siblings are an unresolved retry and the rollout is masked.
-    assert run_builder([*calls, orphan], final_answer=[message("c says 2")]).masked
+    # Unnoted, the two siblings are a retry of the final call: the final answer names the
+    # one to keep; an answer neither gave leaves it unresolved, and masked.
+    resolved = run_builder([*calls, orphan], final_answer=[message("c says 2")])
+    assert not resolved.masked and resolved.discarded_retries == ("c002x",)
+    assert run_builder([*calls, orphan], final_answer=[message("neither")]).masked
 
 
 def test_a_chain_of_unreceived_calls_is_left_out_whole():
@@ -420,3 +426,36 @@ def test_a_chain_of_unreceived_calls_is_left_out_whole():
     )
     assert build.main_chain == ("c000", "c001", "c002")
     assert build.unreceived == ("c003", "c004")
+
+
+def test_a_retry_that_sampled_exactly_the_same_is_one_call_not_an_ambiguity():
+    calls = chain_entries(2)
+    twin = entry(
+        "c001-twin", calls[1].prompt_token_ids, calls[1].generation_token_ids, created_at=5.0
+    )
+    assert twin.generation_log_probs == calls[1].generation_log_probs
+    child = entry("c002", full(calls[1]) + fresh(1), fresh(2), text="done")
+    build = run_builder([*calls, twin, child], final_answer=[message("done")])
+    assert build.identical_retries == ("c001-twin",)
+    assert build.quarantined == () and not build.masked
+    assert build.main_chain == ("c000", "c001", "c002")
+    assert len(build.chains) == 1
+
+
+def test_a_retry_of_the_final_call_is_resolved_by_the_final_answer():
+    calls = chain_entries(3)
+    retry = entry("c002-retry", calls[2].prompt_token_ids, fresh(2), text="the retry's answer")
+    build = run_builder([*calls, retry], final_answer=[message("the retry's answer")])
+    assert build.unresolved_retries == ()
+    assert build.discarded_retries == ("c002",)
+    assert build.main_chain == ("c000", "c001", "c002-retry")
+    assert not build.masked and len(build.chains) == 1
+    # An answer both siblings gave cannot choose between them: still masked.
+    same = entry(
+        "c002-same",
+        calls[2].prompt_token_ids,
+        fresh(2),
+        text=calls[2].output_items[0]["content"][0]["text"],
+    )
+    tied = run_builder([*calls, same], final_answer=calls[2].output_items)
+    assert tied.masked

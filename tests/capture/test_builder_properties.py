@@ -67,6 +67,8 @@ def rollouts(draw: Any, rollout_id: str = "prop") -> list[TokenEntry]:
             extras.append(make("e", full(base), [], ""))
         elif kind == "twin":
             twin = make("w", base.prompt_token_ids, base.generation_token_ids, "twin")
+            # Other log-probs: another sample (an identical one would be the same call).
+            twin.generation_log_probs = [v - 1.0 for v in twin.generation_log_probs]
             extras.append(twin)
         elif kind == "subagent":
             extras.append(make("s", main[0].prompt_token_ids + fresh(2), fresh(2), "sub"))

@@ -160,7 +160,7 @@ async def test_unresolved_retry_and_ambiguous_delivered_parent_mask(store):
     calls = chain_entries(3, rollout_id="r-retry")
     retry = entry("c002-x", calls[2].prompt_token_ids, fresh(2), rollout_id="r-retry")
     await record_calls(store, [*calls, retry])
-    record = run_record("r-retry", "c says 2")
+    record = run_record("r-retry", "an answer neither call gave")
     assert (await finalize_rollout_token_capture(record, store)).masked
     assert record[METRICS_KEY]["unresolved_retries"] == 1
 
@@ -168,6 +168,7 @@ async def test_unresolved_retry_and_ambiguous_delivered_parent_mask(store):
     twin = entry(
         "twin", calls[1].prompt_token_ids, calls[1].generation_token_ids, rollout_id="r-twin"
     )
+    twin.generation_log_probs = [v - 1.0 for v in twin.generation_log_probs]  # another sample
     child = entry("c002", full(calls[1]) + fresh(1), fresh(1), text="end", rollout_id="r-twin")
     await record_calls(store, [*calls, twin, child])
     record = run_record("r-twin", "end")

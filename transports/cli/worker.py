@@ -47,6 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{meaning} (default %(default)s)",
         )
     parser.add_argument(
+        "--delivery",
+        choices=["chain", "segments"],
+        default="chain",
+        help="deliver the main chain only, or every chain (the others as labelled segments "
+        "under _ng_token_segments); default chain",
+    )
+    parser.add_argument(
+        "--min-delivered-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="mask a rollout that delivers less than this share of what it sampled",
+    )
+    parser.add_argument(
         "--consumer", default=None, help="this worker's name in the group (default <host>-<pid>)"
     )
     parser.add_argument(
@@ -56,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     chosen = {name: getattr(args, name) for name in SETTING_FLAGS}
+    chosen["delivery"] = args.delivery
+    chosen["min_delivered_fraction"] = args.min_delivered_fraction
     if args.consumer:  # otherwise the settings name it <host>-<pid>
         chosen["consumer"] = args.consumer
     return WorkerSettings(url=args.url, **chosen)

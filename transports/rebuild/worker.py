@@ -88,6 +88,9 @@ class WorkerSettings:
     jobs_stream: str | None = None  # default <key_prefix>:rebuild
     results_stream: str | None = None  # default <key_prefix>:results
     dead_stream: str | None = None  # default <key_prefix>:rebuild:dead
+    # What a rebuild delivers and the least it may (token_id_capture's keys of the same name).
+    delivery: str = "chain"
+    min_delivered_fraction: float | None = None
 
     def __post_init__(self) -> None:
         jobs, results, dead = k.stream_names(self.key_prefix)
@@ -96,6 +99,11 @@ class WorkerSettings:
         self.dead_stream = self.dead_stream or dead
         if self.concurrency < 1 or self.max_attempts < 1 or self.claim_idle_ms < 1:
             raise ValueError("concurrency, max_attempts and claim_idle_ms must be >= 1")
+        if self.delivery not in ("chain", "segments"):
+            raise ValueError(f"delivery must be chain or segments, not {self.delivery!r}")
+        fraction = self.min_delivered_fraction
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"min_delivered_fraction must be within [0, 1], not {fraction}")
 
 
 class RebuildWorker:
@@ -310,7 +318,13 @@ class RebuildWorker:
         A record error froze nothing, so dead-lettering it leaves the rollout to a later
         valid job; a source error says nothing about the capture, so it is retried.
         """
-        built = await finalize_rollout_token_capture(record, self.source, rollout_id=rollout_id)
+        built = await finalize_rollout_token_capture(
+            record,
+            self.source,
+            rollout_id=rollout_id,
+            delivery=self.settings.delivery,
+            min_delivered_fraction=self.settings.min_delivered_fraction,
+        )
         if built.error_kind == "record":
             raise MalformedJobError(f"job record cannot be rebuilt: {built.error}")
         if built.error_kind == "source":

@@ -1,0 +1,77 @@
+"""What a request shows about its place in a rollout, recorded on its entry for the builder.
+
+A rollout's calls can form several chains: the agent loop, a title call, a sub-agent (its
+own system prompt and tools), a compaction summary and the loop that resumes from it. The
+builder labels each delivered segment from these traits (``capture.build.segments``): they
+are read off the request here, where the request is whole, because the entry keeps only
+ids. The summary and continuation patterns are the Claude Code CLI's (2.1.x) wording.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from api.generation import Generation, with_changes
+from capture.build.projection import content_text
+from capture.build.segments import TRAITS_FIELD
+
+# The CLI's compaction request ("Your task is to create a detailed summary of the
+# conversation so far...") and the first message of the loop that resumes from it.
+SUMMARY_REQUEST = re.compile(r"(?i)\b(create|write|provide) a (detailed |concise )?summary of")
+CONTINUATION = re.compile(r"(?i)this session is being continued from a previous conversation")
+_PEEK_CHARS = 2000  # the patterns sit at the start or end of a message
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _texts(messages: list[Mapping[str, Any]], role: str) -> list[str]:
+    return [content_text(m.get("content")) for m in messages if m.get("role") == role]
+
+
+def _structured(body: Mapping[str, Any]) -> bool:
+    """A JSON-schema answer was asked for (Anthropic output_config, OpenAI formats)."""
+    output_config = body.get("output_config")
+    text = body.get("text")
+    response_format = body.get("response_format")
+    return bool(
+        (isinstance(output_config, Mapping) and output_config.get("format"))
+        or (
+            isinstance(text, Mapping)
+            and isinstance(text.get("format"), Mapping)
+            and text["format"].get("type") == "json_schema"
+        )
+        or (isinstance(response_format, Mapping) and response_format.get("type") == "json_schema")
+    )
+
+
+def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> dict[str, Any]:
+    """The traits of one request, as the entry's ``request_traits`` field."""
+    messages = [m for m in chat_request.get("messages") or [] if isinstance(m, Mapping)]
+    systems = _texts(messages, "system")
+    users = _texts(messages, "user")
+    tools = sorted(
+        str((tool.get("function") or {}).get("name") or "")
+        for tool in chat_request.get("tools") or []
+        if isinstance(tool, Mapping)
+    )
+    return {
+        "system": _digest(systems[0] if systems else ""),
+        "tools": _digest("\n".join(tools)),
+        "n_tools": len(tools),
+        "structured_output": _structured(body),
+        "summary_request": bool(users and SUMMARY_REQUEST.search(users[-1][-_PEEK_CHARS:])),
+        "continuation": bool(users and CONTINUATION.search(users[0][:_PEEK_CHARS])),
+    }
+
+
+def with_traits(
+    generation: Generation, body: Mapping[str, Any], chat_request: Mapping[str, Any]
+) -> Generation:
+    """The generation with its request's traits among the fields its entry records."""
+    fields = {**generation.entry_fields, TRAITS_FIELD: request_traits(body, chat_request)}
+    return with_changes(generation, entry_fields=fields)
