@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "worker": ("transports.cli.worker", "run a pool of rebuild workers on the Redis job stream"),
     "submit": ("transports.cli.submit", "submit a finished rollout record for rebuilding"),
     "inspect": ("transports.cli.inspect", "show what is captured for one rollout"),
+    "report": ("transports.cli.report", "summarize a step's rebuilt records: what to watch"),
     "demo": ("tokcap.demo", "run the whole pipeline on scripted rollouts and print the result"),
 }
 
