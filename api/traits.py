@@ -22,7 +22,6 @@ from capture.build.segments import TRAITS_FIELD
 # conversation so far...") and the first message of the loop that resumes from it.
 SUMMARY_REQUEST = re.compile(r"(?i)\b(create|write|provide) a (detailed |concise )?summary of")
 CONTINUATION = re.compile(r"(?i)this session is being continued from a previous conversation")
-_PEEK_CHARS = 2000  # the patterns sit at the start or end of a message
 
 
 def _digest(text: str) -> str:
@@ -64,8 +63,8 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
         "tools": _digest("\n".join(tools)),
         "n_tools": len(tools),
         "structured_output": _structured(body),
-        "summary_request": bool(users and SUMMARY_REQUEST.search(users[-1][-_PEEK_CHARS:])),
-        "continuation": bool(users and CONTINUATION.search(users[0][:_PEEK_CHARS])),
+        "summary_request": bool(users and SUMMARY_REQUEST.search(users[-1])),
+        "continuation": any(CONTINUATION.search(text) for text in users[:2]),
     }
 
 

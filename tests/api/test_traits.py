@@ -1,0 +1,70 @@
+"""Request traits: what the builder labels segments by, read off real request shapes."""
+
+from __future__ import annotations
+
+from api.dialects import anthropic
+from api.traits import request_traits
+
+TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
+
+
+def traits(body: dict) -> dict:
+    return request_traits(body, anthropic.to_chat(body))
+
+
+def test_a_title_call_a_summary_request_and_a_resumed_session_are_told_apart() -> None:
+    loop = {"model": "m", "max_tokens": 9, "system": "You are Claude Code.", "tools": TOOLS}
+    first = traits({**loop, "messages": [{"role": "user", "content": "run ls"}]})
+    assert first["n_tools"] == 1 and not first["structured_output"]
+    assert not first["summary_request"] and not first["continuation"]
+    title = traits(
+        {
+            "model": "m",
+            "max_tokens": 9,
+            "tools": [],
+            "output_config": {"format": {"type": "json_schema", "schema": {}}},
+            "messages": [{"role": "user", "content": "<session>run ls</session> Write the title"}],
+        }
+    )
+    assert title["structured_output"] and title["n_tools"] == 0
+    ask = "x " * 3000 + "Your task is to create a detailed summary of the conversation so far."
+    summary = traits(
+        {
+            **loop,
+            "messages": [
+                {"role": "user", "content": "run ls"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": ask},
+            ],
+        }
+    )
+    assert summary["summary_request"] and summary["system"] == first["system"]
+    resumed = traits(
+        {
+            **loop,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "text",
+                            "text": "<system-reminder>" + "y " * 3000 + "</system-reminder>",
+                        },
+                        {
+                            "type": "text",
+                            "text": "This session is being continued from a previous conversation that ran out of context.",
+                        },
+                    ],
+                }
+            ],
+        }
+    )
+    assert resumed["continuation"] and not resumed["summary_request"]
+    sub = traits(
+        {
+            **loop,
+            "system": "You are a sub-agent.",
+            "messages": [{"role": "user", "content": "SUBTASK"}],
+        }
+    )
+    assert sub["system"] != first["system"] and sub["tools"] == first["tools"]
