@@ -6,6 +6,9 @@ workers over a private redis-server (or, without redis-server, the file store an
 in-process rebuild). It then drives multi-turn tool-using rollouts through the official
 ``anthropic`` SDK with streaming, as Claude Code would, rebuilds them, and prints per
 rollout what was delivered beside what a re-tokenization of the transcript would have got.
+One more rollout's harness edits its final answer, so no call produced it: that rollout is
+masked, and the table says why, as it flags every rollout that delivered less than half of
+what was sampled.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import yaml
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
 from capture.rollout_ids import capture_base_url
 from tokcap.processes import Service, free_port
@@ -61,6 +65,10 @@ TASKS = [
     "Check whether the tests directory has a conftest file.",
     "How many words are in the changelog?",
 ]
+# Below this delivered fraction most sampled tokens did not reach the trainer: flagged.
+LOW_DELIVERY = 0.5
+LOW_MARK = "!"
+EDIT_NOTE = "\n\n(Checked by the harness.)"  # what the editing harness adds to its answer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.1,
         help="non-canonical segmentation rate of the lossy engine (default 0.1)",
+    )
+    parser.add_argument(
+        "--edited",
+        type=int,
+        default=1,
+        help="extra rollouts whose harness edits its final answer, so they are masked (default 1)",
     )
     parser.add_argument("--max-turns", type=int, default=6, help="tool rounds per rollout")
     parser.add_argument("--seed", type=int, default=7)
@@ -100,8 +114,9 @@ class Row:
     rollout_id: str
     serving: str
     turns: int
+    edits_answer: bool = False  # the harness changed its final answer before returning it
     record: dict[str, Any] = field(default_factory=dict)
-    ids_exact: bool = False
+    ids_exact: bool | None = False  # None: nothing was delivered (masked)
     retokenized_wrong: int = 0
     sampled_tokens: int = 0
     truth: list[dict[str, Any]] = field(default_factory=list)  # what the engine sampled
@@ -192,7 +207,7 @@ def _run_tool(name: str, arguments: dict[str, Any]) -> str:
 
 
 async def _drive(
-    front_url: str, rollout_id: str, task: str, max_turns: int
+    front_url: str, rollout_id: str, task: str, max_turns: int, edits_answer: bool = False
 ) -> tuple[dict[str, Any], int]:
     """One harness run over Anthropic Messages, streamed; returns (record, turns)."""
     client = anthropic.AsyncAnthropic(
@@ -217,31 +232,44 @@ async def _drive(
             calls = [b for b in final.content if b.type == "tool_use"]
             if not calls:
                 break
-            messages.append(
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "tool_result",
-                            "tool_use_id": b.id,
-                            "content": _run_tool(b.name, b.input),
-                        }
-                        for b in calls
-                    ],
-                }
-            )
+            messages.append({"role": "user", "content": _tool_results(calls)})
     finally:
         await client.close()
-    text = "".join(b.text for b in final.content if b.type == "text") if final else ""
-    output = [
-        {
-            "type": "message",
-            "role": "assistant",
-            "status": "completed",
-            "content": [{"type": "output_text", "text": text, "annotations": []}],
-        }
+    output = _output_of(final)
+    if edits_answer:
+        # The harness returns its own text, not the model's: no call produced this answer.
+        text = output[0]["content"][0]["text"]
+        output = [_message(text + EDIT_NOTE)]
+    record = {
+        "_ng_rollout_id": rollout_id,
+        "reward": 1.0,
+        "transcript": messages,
+        "response": {"id": f"resp_{rollout_id}", "object": "response", "output": output},
+    }
+    return record, turns
+
+
+def _tool_results(calls: list[Any]) -> list[dict[str, Any]]:
+    return [
+        {"type": "tool_result", "tool_use_id": b.id, "content": _run_tool(b.name, b.input)}
+        for b in calls
     ]
-    for block in final.content if final else ():
+
+
+def _message(text: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def _output_of(final: Any) -> list[dict[str, Any]]:
+    """The harness's answer as Responses items: its text, then any tool calls left open."""
+    blocks = final.content if final else []
+    output = [_message("".join(b.text for b in blocks if b.type == "text"))]
+    for block in blocks:
         if block.type == "tool_use":
             output.append(
                 {
@@ -251,13 +279,7 @@ async def _drive(
                     "arguments": json.dumps(block.input),
                 }
             )
-    record = {
-        "_ng_rollout_id": rollout_id,
-        "reward": 1.0,
-        "transcript": messages,
-        "response": {"id": f"resp_{rollout_id}", "object": "response", "output": output},
-    }
-    return record, turns
+    return output
 
 
 async def _rebuild(
@@ -307,11 +329,14 @@ def _check(row: Row, engine: httpx.Client) -> None:
     """Delivered ids vs the engine's sampled ids; and what re-tokenizing the text gets wrong."""
     sampled = {(tuple(g["prompt_token_ids"]), tuple(g["token_ids"])): g for g in row.truth}
     carriers = _carriers(row.record)
-    row.ids_exact = bool(carriers) and all(
-        (key := (tuple(c["prompt_token_ids"]), tuple(c["generation_token_ids"]))) in sampled
-        and sampled[key]["logprobs"] == c["generation_log_probs"]
-        for c in carriers
-    )
+    if row.record.get("mask_sample") and not carriers:
+        row.ids_exact = None  # masked: nothing was delivered, so nothing can be wrong
+    else:
+        row.ids_exact = bool(carriers) and all(
+            (key := (tuple(c["prompt_token_ids"]), tuple(c["generation_token_ids"]))) in sampled
+            and sampled[key]["logprobs"] == c["generation_log_probs"]
+            for c in carriers
+        )
     for call in row.truth:
         text = engine.post("/detokenize", json={"tokens": call["token_ids"]}).json()["prompt"]
         again = engine.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()[
@@ -323,36 +348,176 @@ def _check(row: Row, engine: httpx.Client) -> None:
         row.sampled_tokens += len(call["token_ids"])
 
 
+def short_reasons(reasons: list[str]) -> str:
+    """Mask reasons without their details: each reason's head, before the first colon.
+
+    ``incomplete capture: call c-7: marked incomplete`` becomes ``incomplete capture``; the
+    call ids and errors stay in the record (and in ``--json``).
+    """
+    heads = dict.fromkeys(reason.split(": ", 1)[0].strip() for reason in reasons)
+    return "; ".join(head for head in heads if head) or "-"
+
+
+def _delivered_cell(fraction: float) -> Text:
+    if fraction < LOW_DELIVERY:
+        return Text(f"{fraction:.2f} {LOW_MARK}", style="bold yellow")
+    return Text(f"{fraction:.2f}  ")
+
+
+def _ids_cell(row: Row) -> str:
+    if row.ids_exact is None:
+        return "-"
+    return "yes" if row.ids_exact else "NO"
+
+
+COLUMNS = (
+    "rollout",
+    "serving",
+    "turns",
+    "calls",
+    "chains",
+    "delivered",
+    "mask",
+    "why masked",
+    "ids = sampled",
+    "re-tokenized wrong",
+)
+_LEFT = ("rollout", "serving", "why masked")
+_WRAPS = {"why masked": 22, "ids = sampled": 7, "re-tokenized wrong": 12}  # max widths
+EDITED = "+edit"  # serving label suffix of a rollout whose harness edits its final answer
+
+
 def _table(rows: list[Row], backend: str) -> Table:
     table = Table(title=f"tokcap demo: {len(rows)} rollouts, rebuilt via {backend}")
-    for name in (
-        "rollout",
-        "serving",
-        "turns",
-        "calls",
-        "chains",
-        "delivered",
-        "mask",
-        "ids = sampled",
-        "re-tokenized wrong",
-    ):
+    for name in COLUMNS:
         table.add_column(
-            name, justify="left" if name in ("rollout", "serving") else "right", no_wrap=True
+            name,
+            justify="left" if name in _LEFT else "right",
+            # Free text and long headers wrap; ids and numbers stay on one line.
+            no_wrap=name not in _WRAPS,
+            max_width=_WRAPS.get(name),
         )
     for row in rows:
-        metrics = row.record.get("_ng_token_capture") or {}
+        metrics = _metrics(row)
         table.add_row(
             row.rollout_id,
-            row.serving,
+            row.serving + (EDITED if row.edits_answer else ""),
             str(row.turns),
             str(metrics.get("n_calls", "-")),
             str(metrics.get("chains", "-")),
-            f"{metrics.get('delivered_fraction', 0):.2f}",
+            _delivered_cell(metrics.get("delivered_fraction", 0.0)),
             "yes" if row.record.get("mask_sample") else "no",
-            "yes" if row.ids_exact else "NO",
+            short_reasons(metrics.get("mask_reasons") or []),
+            _ids_cell(row),
             f"{row.retokenized_wrong} of {row.sampled_tokens}",
         )
     return table
+
+
+def _notes(rows: list[Row]) -> str:
+    """What the table's columns and marks mean; the edit and low-delivery marks only when
+    they show."""
+    notes = []
+    if any(r.edits_answer for r in rows):
+        notes.append(
+            f"faithful{EDITED}: faithful serving, but the harness edits its final answer before "
+            "returning it, so no call produced that answer and the rollout is masked."
+        )
+    notes += [
+        "ids = sampled: every token-bearing item equals a sequence the engine sampled (ids "
+        "and log-probs); - when the rollout is masked and nothing was delivered.",
+        "re-tokenized wrong: sampled ids that detokenize + tokenize of the same text does not "
+        "reproduce.",
+        "Lossy serving splits chains; they are reported (chains, delivered), never delivered "
+        "wrong.",
+        "why masked: the record's _ng_token_capture.mask_reasons, without call ids and "
+        "details (--json has them whole). A masked rollout is left out of the loss.",
+    ]
+    low = [r for r in rows if _metrics(r).get("delivered_fraction", 0.0) < LOW_DELIVERY]
+    if low:
+        notes.append(
+            f"{LOW_MARK} delivered below {LOW_DELIVERY}: most sampled tokens did not reach the "
+            "trainer (they are in chains that were not delivered, or the rollout was masked)."
+        )
+    return "\n".join(notes)
+
+
+def _metrics(row: Row) -> dict[str, Any]:
+    return row.record.get("_ng_token_capture") or {}
+
+
+def _json_rows(rows: list[Row]) -> str:
+    return json.dumps(
+        [
+            {
+                "rollout_id": r.rollout_id,
+                "serving": r.serving,
+                "edits_answer": r.edits_answer,
+                "turns": r.turns,
+                "metrics": r.record.get("_ng_token_capture"),
+                "mask_sample": r.record.get("mask_sample"),
+                "ids_exact": r.ids_exact,
+                "retokenized_wrong": r.retokenized_wrong,
+                "sampled_tokens": r.sampled_tokens,
+            }
+            for r in rows
+        ]
+    )
+
+
+def _plan(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """(serving, harness edits its answer) per rollout: faithful and lossy by turns, then
+    the editing harness on faithful serving."""
+    plain = [("faithful" if n % 2 == 0 else "lossy", False) for n in range(args.rollouts)]
+    return plain + [("faithful", True)] * args.edited
+
+
+async def _drive_all(
+    args: argparse.Namespace, servings: dict[str, tuple[str, str]], progress: Progress
+) -> tuple[list[Row], list[dict[str, Any]]]:
+    """Drive every planned rollout, one at a time; returns its rows and finished records."""
+    plan = _plan(args)
+    driving = progress.add_task("driving rollouts (anthropic SDK, streaming)", total=len(plan))
+    rows, records = [], []
+    for n, (serving, edits_answer) in enumerate(plan):
+        rollout_id = f"demo{n}-{uuid.uuid4().hex[:4]}"
+        engine_url, front_url = servings[serving]
+        record, turns = await _drive(
+            front_url, rollout_id, TASKS[n % len(TASKS)], args.max_turns, edits_answer
+        )
+        records.append(record)
+        # Rollouts run one at a time, so the engine's log since the last one is this one.
+        async with httpx.AsyncClient(base_url=engine_url, timeout=30) as engine:
+            truth = (await engine.get("/tokcap/ground_truth")).json()
+            await engine.delete("/tokcap/ground_truth")
+        rows.append(Row(rollout_id, serving, turns, edits_answer, truth=truth))
+        progress.advance(driving)
+    return rows, records
+
+
+async def _run_rollouts(
+    args: argparse.Namespace, workdir: Path, backend: Backend, console: Console
+) -> list[Row]:
+    """Start the servings, drive and rebuild every rollout, and check what was delivered."""
+    with Progress(console=console, transient=True) as progress:
+        starting = progress.add_task("starting engines and front ends", total=2)
+        servings = {}
+        for name, knobs in (
+            ("faithful", []),
+            ("lossy", ["--noncanonical-rate", str(args.lossy_rate)]),
+        ):
+            servings[name] = _start_serving(
+                name, workdir, backend, ["--seed", str(args.seed), *knobs]
+            )
+            progress.advance(starting)
+        rows, records = await _drive_all(args, servings, progress)
+        rebuilt = await _rebuild(backend, records, progress)
+    for row, record in zip(rows, rebuilt, strict=True):
+        row.record = record
+    with httpx.Client(base_url=servings["faithful"][0], timeout=30) as engine:
+        for row in rows:
+            _check(row, engine)
+    return rows
 
 
 async def _main(args: argparse.Namespace, workdir: Path, console: Console) -> int:
@@ -360,76 +525,20 @@ async def _main(args: argparse.Namespace, workdir: Path, console: Console) -> in
     if kind == "auto":
         kind = "redis" if redis_server_binary() else "file"
     backend = _start_backend(kind, workdir, args.workers)
-    rows: list[Row] = []
     try:
-        with Progress(console=console, transient=True) as progress:
-            starting = progress.add_task("starting engines and front ends", total=2)
-            servings = {}
-            for name, knobs in (
-                ("faithful", []),
-                ("lossy", ["--noncanonical-rate", str(args.lossy_rate)]),
-            ):
-                servings[name] = _start_serving(
-                    name, workdir, backend, ["--seed", str(args.seed), *knobs]
-                )
-                progress.advance(starting)
-            driving = progress.add_task(
-                "driving rollouts (anthropic SDK, streaming)", total=args.rollouts
-            )
-            records = []
-            for n in range(args.rollouts):
-                serving = "faithful" if n % 2 == 0 else "lossy"
-                rollout_id = f"demo{n}-{uuid.uuid4().hex[:4]}"
-                engine_url, front_url = servings[serving]
-                record, turns = await _drive(
-                    front_url, rollout_id, TASKS[n % len(TASKS)], args.max_turns
-                )
-                records.append(record)
-                # Rollouts run one at a time, so the engine's log since the last one is this one.
-                async with httpx.AsyncClient(base_url=engine_url, timeout=30) as engine:
-                    truth = (await engine.get("/tokcap/ground_truth")).json()
-                    await engine.delete("/tokcap/ground_truth")
-                rows.append(Row(rollout_id, serving, turns, truth=truth))
-                progress.advance(driving)
-            rebuilt = await _rebuild(backend, records, progress)
-        for row, record in zip(rows, rebuilt, strict=True):
-            row.record = record
-        with httpx.Client(base_url=servings["faithful"][0], timeout=30) as engine:
-            for row in rows:
-                _check(row, engine)
+        rows = await _run_rollouts(args, workdir, backend, console)
     finally:
         for service in reversed(backend.services):
             service.stop()
         if backend.redis is not None:
             backend.redis.stop()
     if args.json:
-        console.print_json(
-            json.dumps(
-                [
-                    {
-                        "rollout_id": r.rollout_id,
-                        "serving": r.serving,
-                        "turns": r.turns,
-                        "metrics": r.record.get("_ng_token_capture"),
-                        "mask_sample": r.record.get("mask_sample"),
-                        "ids_exact": r.ids_exact,
-                        "retokenized_wrong": r.retokenized_wrong,
-                        "sampled_tokens": r.sampled_tokens,
-                    }
-                    for r in rows
-                ]
-            )
-        )
+        console.print_json(_json_rows(rows))
     else:
         console.print(_table(rows, "Redis + worker pool" if kind == "redis" else "file store"))
-        console.print(
-            "delivered ids = sampled: every token-bearing item equals a sequence the engine "
-            "sampled (ids and log-probs).\nre-tokenization wrong: sampled ids that detokenize "
-            "+ tokenize of the same text does not reproduce.\nLossy serving splits chains; "
-            "they are reported (chains, delivered), never delivered wrong."
-        )
-    ok = all(r.ids_exact for r in rows)
-    return 0 if ok else 1
+        console.print(_notes(rows), highlight=False)
+    # Every delivered rollout carries the sampled ids; a masked one delivered nothing.
+    return 0 if all(r.ids_exact is not False for r in rows) else 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -149,6 +149,14 @@ class TokenCaptureStore:
         """A summary of a rollout's stored state, without changing it."""
         return await self._run(self._inspect, rollout_id)
 
+    async def peek(self, rollout_id: str) -> list[TokenEntry]:
+        """The entries stored now, by call id, for operators (``tokcap inspect``).
+
+        Reads only: unlike ``freeze`` it stops no writes, so a running rollout goes on. A
+        retired rollout's entries are gone, so it peeks as none.
+        """
+        return await self._run(self._peek, rollout_id)
+
     async def rollouts(self) -> list[str]:
         """Ids of every rollout with a log (open, frozen or tombstone)."""
         return await self._run(self._rollout_ids)
@@ -310,6 +318,11 @@ class TokenCaptureStore:
             records = [record for _, record in log.read_from(0) if record["k"] == "put"]
         blocks = {name: data for record in records for name, data in record["blocks"]}
         return entry_with_key((record["body"] for record in records), blocks, lineage_key)
+
+    def _peek(self, rollout_id: str) -> list[TokenEntry]:
+        with locked_log(self._path(rollout_id), create=False, fsync=self.fsync) as log:
+            entries = self._read_entries(log) if log is not None else []
+        return sorted(entries, key=lambda entry: entry.model_call_id)
 
     def _read_entries(self, log: LockedLog) -> list[TokenEntry]:
         return entries_from_records(record for _, record in log.read_from(0))

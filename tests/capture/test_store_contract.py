@@ -456,3 +456,22 @@ async def test_a_running_rollouts_call_is_found_by_a_lineage_key(store, make_ent
         assert found.generation_token_ids == want.generation_token_ids
     assert await store.find_call("ln", "k-none") is None
     assert await store.find_call("unknown-rollout", "k-one") is None
+
+
+async def test_peek_reads_the_stored_entries_without_freezing(store, make_entry):
+    """``tokcap inspect`` lists a running rollout's calls: peek reads them, changes nothing."""
+    assert await store.peek("peeked") == []  # an unknown rollout has no entries
+    shared = list(range(3000, 3700))  # several blocks, shared with the second call
+    second = make_entry("peeked", "c-2", prompt=shared + [7, 8, 9], generation=[10])
+    first = make_entry("peeked", "c-1", prompt=shared, generation=[7, 8])
+    for entry in (second, first):
+        await store.put(entry)
+    before = await store.inspect("peeked")
+    peeked = await store.peek("peeked")
+    assert [e.model_dump() for e in peeked] == [first.model_dump(), second.model_dump()]
+    assert await store.inspect("peeked") == before  # still open, same version
+    await store.put(make_entry("peeked", "c-3"))  # not frozen: a later put still succeeds
+    snapshot = await store.freeze("peeked")
+    assert [e.model_call_id for e in await store.peek("peeked")] == ["c-1", "c-2", "c-3"]
+    assert await store.drop("peeked", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
+    assert await store.peek("peeked") == []  # retired: its entries were dropped

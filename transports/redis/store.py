@@ -24,7 +24,7 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, encode_entry
+from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, decode_entries, encode_entry
 from capture.errors import ConfigError, TokenCaptureError
 from capture.lineage import entry_with_key
 from capture.records import TokenCaptureSnapshot, TokenEntry
@@ -323,6 +323,21 @@ class RedisTokenStore:
             await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
         )
         return summary_of(rollout_id, fields).as_dict()
+
+    async def peek(self, rollout_id: str) -> list[TokenEntry]:
+        """The entries stored now, by call id, for operators (``tokcap inspect``).
+
+        Reads only: unlike ``freeze`` it stops no writes, so a running rollout goes on. A
+        retired rollout's entries are gone, so it peeks as none.
+        """
+        await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+        fields = pairs(
+            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
+        )
+        kinds = split(fields)
+        bodies = kinds[k.ENTRY]
+        return decode_entries([bodies[c] for c in sorted(bodies)], kinds[k.BLOCK], trusted=True)
 
     async def find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None:
         """The call of a running rollout whose entry carries ``lineage_key`` (faithful
