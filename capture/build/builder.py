@@ -56,6 +56,9 @@ class ChainInfo:
     generated_tokens: int
     quarantined: bool
     main: bool
+    # What the chain is, as segments are labelled (capture.build.segments.ROLES); beside
+    # the main chain's root, or the first root when no main chain was chosen.
+    role: str = ""
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,8 @@ def _chains(
     """Every root-to-leaf chain, by root (earliest first), then leaf id."""
     rank = {root: order for order, root in enumerate(roots)}
     ordered = sorted(leaves, key=lambda leaf: (rank[graph.root_of[leaf]], graph.ids[leaf]))
+    calls = graph.calls
+    reference = graph.root_of[main_leaf] if main_leaf is not None else (roots or [None])[0]
     return tuple(
         ChainInfo(
             root=graph.ids[graph.root_of[leaf]],
@@ -315,6 +320,11 @@ def _chains(
             generated_tokens=graph.generated[leaf],
             quarantined=graph.tainted[leaf],
             main=leaf == main_leaf,
+            role=role_of(
+                calls[graph.root_of[leaf]],
+                calls[leaf],
+                None if leaf == main_leaf or reference is None else calls[reference],
+            ),
         )
         for leaf in ordered
     )
@@ -409,7 +419,7 @@ def run_builder(
         main_entries=main_entries,
         faithful_fallbacks=_fallbacks(entries),
         identical_retries=identical,
-        main_role=role_of(main_entries, None) if main_entries else "",
+        main_role=role_of(main_entries[0], main_entries[-1], None) if main_entries else "",
         segments=tuple(segments),
     )
 

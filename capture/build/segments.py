@@ -54,10 +54,11 @@ def traits(entry: TokenEntry) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def role_of(chain: Sequence[TokenEntry], main_root: TokenEntry | None) -> str:
-    """What a chain is, from its root's and its last call's traits (see the module doc)."""
-    root, last = traits(chain[0]), traits(chain[-1])
-    if last.get("summary_request"):
+def role_of(first: TokenEntry, last: TokenEntry, main_root: TokenEntry | None) -> str:
+    """What a chain is, from its root's and its last call's traits (see the module doc);
+    ``main_root`` is the main chain's root (or the rollout's first), None for the main one."""
+    root, last_traits = traits(first), traits(last)
+    if last_traits.get("summary_request"):
         return "compaction_summary"
     if root.get("continuation"):
         return "continuation"
@@ -90,6 +91,6 @@ def segments_of(
         if not fresh:
             continue
         delivered.update(fresh)
-        chain = [calls[position] for position in path]
-        segments.append(Segment(role_of(chain, main_root), tuple(calls[p] for p in fresh)))
+        role = role_of(calls[path[0]], calls[path[-1]], main_root)
+        segments.append(Segment(role, tuple(calls[p] for p in fresh)))
     return segments

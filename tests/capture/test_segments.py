@@ -61,6 +61,15 @@ def test_segments_deliver_every_chain_once_with_its_role() -> None:
     answer = [message("resumed says 1")]
     chain = run_builder(calls, final_answer=answer)
     assert chain.delivered_fraction < 0.5 and chain.segments == ()
+    # Chains carry their roles whatever the delivery (tokcap inspect shows them).
+    assert {c.leaf: c.role for c in chain.chains} == {
+        "title": "title",
+        "summary": "compaction_summary",
+        "sub001": "subagent",
+        "resumed001": "continuation",
+    }
+    unanswered = run_builder(calls)  # several roots, no main chain: beside the first root
+    assert {c.leaf: c.role for c in unanswered.chains}["sub001"] == "subagent"
     build = run_builder(calls, final_answer=answer, delivery="segments")
     assert build.main_chain == ("resumed000", "resumed001")
     assert build.main_role == "continuation"
