@@ -6,6 +6,7 @@ with a scripted policy: a Bash tool call, then a final answer. Redis runs on the
 is reached over its unix socket. The collector side then turns the CLI's stream-json
 transcript into a finished rollout record, submits it with ``RebuildQueue``, and a real
 ``tokcap worker`` process rebuilds it; the test reads the result from the results stream.
+The fixtures (CLI, namespace, Redis, worker) live in ``conftest.py``.
 
 Skips only when npm cannot install the CLI.
 """
@@ -18,10 +19,8 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,10 @@ import pytest
 import yaml
 
 from tests.support.claude_code import (
-    ClaudeCliUnavailable,
-    ensure_claude_cli,
     final_answer,
     netns_command,
-    netns_problem,
     transcript_to_record,
 )
-from tests.support.fixtures_redis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 FRONTEND_CONFIG = ROOT / "deploy" / "tokcap.yaml"
@@ -70,69 +65,6 @@ SCRIPT = {
 }
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def claude_cli() -> Path:
-    try:
-        return ensure_claude_cli()
-    except ClaudeCliUnavailable as exc:
-        pytest.skip(f"the Claude Code CLI could not be installed with npm: {exc}")
-
-
-@pytest.fixture(scope="module")
-def netns() -> None:
-    """The CLI must run where nothing can leave the machine: fail, never skip, without it."""
-    problem = netns_problem()
-    if problem:
-        pytest.fail(f"cannot make a loopback-only network namespace: {problem}")
-
-
-@pytest.fixture(scope="module")
-def redis_socket() -> Iterator[str]:
-    """A private durable redis-server; its unix socket crosses the network namespace."""
-    with tempfile.TemporaryDirectory(prefix="tkcc-") as tmp:  # short: sun_path is 108 bytes
-        socket_path = Path(tmp) / "redis.sock"
-        server = RedisServer(Path(tmp), unixsocket=str(socket_path), unixsocketperm="700")
-        server.start()
-        try:
-            yield f"unix://{socket_path}?db=0"
-        finally:
-            server.stop()
-
-
-@pytest.fixture(scope="module")
-def worker(redis_socket: str) -> Iterator[subprocess.Popen]:
-    """One real ``tokcap worker`` process on the job stream, stopped by PID."""
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "transports.cli.worker",
-                "--url",
-                redis_socket,
-                "--concurrency",
-                "2",
-                "--block-ms",
-                "200",
-            ],
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.wait()
 
 
 def run_driver(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -220,6 +152,7 @@ def run_rollout(
     script: dict[str, Any] = SCRIPT,
     engine_args: tuple[str, ...] = (),
     frontend_env: dict[str, str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """One CLI rollout through capture and rebuild: (summary, submitted record, result)."""
     rollout_id = f"cc-{uuid.uuid4().hex[:10]}"
@@ -248,6 +181,7 @@ def run_rollout(
         "frontend_config": str(FRONTEND_CONFIG),
         "frontend_env": {"TOKCAP_REDIS_URL": redis_url, **(frontend_env or {})},
         "claude_timeout": 120.0,
+        "env_extra": env_extra or {},
     }
     summary = run_driver(spec, workdir)
     assert "error" not in summary, describe(summary)
