@@ -24,6 +24,22 @@ SUMMARY_REQUEST = re.compile(r"(?i)\b(create|write|provide) a (detailed |concise
 CONTINUATION = re.compile(r"(?i)this session is being continued from a previous conversation")
 
 
+# The CLI's first system line: "x-anthropic-billing-header: cc_version=2.1.197.<h>; ...",
+# where <h> hashes characters of the first user message (so it changes when a compacted
+# session resumes) and a sub-agent's line adds "cc_is_subagent=true".
+BILLING_HEADER = "x-anthropic-billing-header:"
+SUBAGENT_MARK = "cc_is_subagent=true"
+
+
+def _system_parts(system: str) -> tuple[str, bool]:
+    """The system prompt without the CLI's billing line, and whether that line marks a
+    sub-agent. The line is per request, not part of the prompt the policy is given."""
+    first, _, rest = system.partition("\n")
+    if first.strip().startswith(BILLING_HEADER):
+        return rest, SUBAGENT_MARK in first
+    return system, False
+
+
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -58,8 +74,10 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
         for tool in chat_request.get("tools") or []
         if isinstance(tool, Mapping)
     )
+    system, subagent = _system_parts(systems[0] if systems else "")
     return {
-        "system": _digest(systems[0] if systems else ""),
+        "system": _digest(system),
+        "subagent": subagent,
         "tools": _digest("\n".join(tools)),
         "n_tools": len(tools),
         "structured_output": _structured(body),

@@ -307,10 +307,14 @@ def _path_to(graph: _Graph, leaf: int | None) -> list[int]:
 def _chains(
     graph: _Graph, leaves: list[int], roots: list[int], main_leaf: int | None
 ) -> tuple[ChainInfo, ...]:
-    """Every root-to-leaf chain, by root (earliest first), then leaf id."""
+    """Every root-to-leaf chain, by root (earliest first), then by its leaf's creation (so
+    the chain that shares its first calls with a later one always delivers them)."""
     rank = {root: order for order, root in enumerate(roots)}
-    ordered = sorted(leaves, key=lambda leaf: (rank[graph.root_of[leaf]], graph.ids[leaf]))
     calls = graph.calls
+    ordered = sorted(
+        leaves,
+        key=lambda leaf: (rank[graph.root_of[leaf]], calls[leaf].created_at, graph.ids[leaf]),
+    )
     reference = graph.root_of[main_leaf] if main_leaf is not None else (roots or [None])[0]
     return tuple(
         ChainInfo(

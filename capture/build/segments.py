@@ -10,8 +10,8 @@ context. A chain with an ambiguous call is not delivered.
 A segment's role comes from the traits the front end recorded on each entry
 (``api.traits``, under ``TRAITS_FIELD``): ``compaction_summary`` (its last call asked for a
 summary), ``continuation`` (it resumes from a summary), ``title`` (a JSON answer with no
-tools), ``subagent`` (another system prompt or tool set than the main chain's), else
-``other``.
+tools), ``subagent`` (the request says so, or another system prompt or tool set than the
+main chain's), else ``other``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def role_of(first: TokenEntry, last: TokenEntry, main_root: TokenEntry | None) -
         return "continuation"
     if root.get("structured_output") and not root.get("n_tools"):
         return "title"
+    if root.get("subagent"):  # the harness said so (the Claude Code CLI does)
+        return "subagent"
     main = traits(main_root) if main_root is not None else {}
     if (
         root

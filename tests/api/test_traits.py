@@ -68,3 +68,43 @@ def test_a_title_call_a_summary_request_and_a_resumed_session_are_told_apart() -
         }
     )
     assert sub["system"] != first["system"] and sub["tools"] == first["tools"]
+
+
+def test_the_clis_billing_line_is_not_the_system_prompt_and_names_a_sub_agent() -> None:
+    prompt = "You are Claude Code, Anthropic's official CLI."
+    line = "x-anthropic-billing-header: cc_version=2.1.197.{}; cc_entrypoint=sdk-cli;"
+    base = {
+        "model": "m",
+        "max_tokens": 9,
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    main = traits(
+        {
+            **base,
+            "system": [
+                {"type": "text", "text": line.format("c40")},
+                {"type": "text", "text": prompt},
+            ],
+        }
+    )
+    resumed = traits(
+        {
+            **base,
+            "system": [
+                {"type": "text", "text": line.format("f9d")},
+                {"type": "text", "text": prompt},
+            ],
+        }
+    )
+    assert main["system"] == resumed["system"] and not main["subagent"]
+    sub = traits(
+        {
+            **base,
+            "system": [
+                {"type": "text", "text": line.format("18b") + " cc_is_subagent=true;"},
+                {"type": "text", "text": "You are an agent."},
+            ],
+        }
+    )
+    assert sub["subagent"] and sub["system"] != main["system"]
