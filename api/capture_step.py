@@ -64,9 +64,18 @@ def call_entry(
 ) -> TokenEntry:
     """The call's entry, straight from the typed generation: the arrays ride on the last item.
 
-    ValueError when the arrays are inconsistent (say, fewer log-probs than ids).
+    ValueError when the arrays are inconsistent (say, fewer log-probs than ids). The
+    adapter already checked every id and log-prob (``api.generation``), so the entry is
+    built without pydantic re-validating (and copying) a prompt of tens of thousands of ids.
     """
-    return TokenEntry(
+    ids, log_probs = generation.generation_token_ids, generation.generation_log_probs
+    if ids is None or log_probs is None or generation.prompt_token_ids is None:
+        raise ValueError("the generation carries no token arrays")
+    if len(ids) != len(log_probs):
+        raise ValueError(f"{len(log_probs)} log-probs for {len(ids)} generated ids")
+    if not items or not call.model_call_id:
+        raise ValueError("a captured call needs output items and a call id")
+    return TokenEntry.model_construct(
         rollout_id=call.rollout_id,
         model_call_id=call.model_call_id,
         model=str(generation.response.get("model") or ""),

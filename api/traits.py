@@ -19,9 +19,22 @@ from capture.build.projection import content_text
 from capture.build.segments import TRAITS_FIELD
 
 # The CLI's compaction request ("Your task is to create a detailed summary of the
-# conversation so far...") and the first message of the loop that resumes from it.
-SUMMARY_REQUEST = re.compile(r"(?i)\b(create|write|provide) a (detailed |concise )?summary of")
-CONTINUATION = re.compile(r"(?i)this session is being continued from a previous conversation")
+# conversation so far...") and the first message of the loop that resumes from it. Found
+# by a plain substring search first: a message can be a whole 16k-token prompt, and a
+# case-insensitive pattern tried at every position of it costs milliseconds per call.
+SUMMARY_MARK = "summary of"
+SUMMARY_REQUEST = re.compile(r"\b(create|write|provide) a (detailed |concise )?summary of$")
+CONTINUATION = "this session is being continued from a previous conversation"
+
+
+def _asks_for_summary(text: str) -> bool:
+    lowered = text.lower()
+    at = lowered.find(SUMMARY_MARK)
+    while at >= 0:
+        if SUMMARY_REQUEST.search(lowered, max(0, at - 40), at + len(SUMMARY_MARK)):
+            return True
+        at = lowered.find(SUMMARY_MARK, at + 1)
+    return False
 
 
 # The CLI's first system line: "x-anthropic-billing-header: cc_version=2.1.197.<h>; ...",
@@ -81,8 +94,8 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
         "tools": _digest("\n".join(tools)),
         "n_tools": len(tools),
         "structured_output": _structured(body),
-        "summary_request": bool(users and SUMMARY_REQUEST.search(users[-1])),
-        "continuation": any(CONTINUATION.search(text) for text in users[:2]),
+        "summary_request": bool(users) and _asks_for_summary(users[-1]),
+        "continuation": any(CONTINUATION in text.lower() for text in users[:2]),
     }
 
 
