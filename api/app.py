@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
 from api.prompts.faithful import FaithfulPrompts, Prompt, faithful_prompts
-from api.routing import CapturePrefixRouter, SinkSlot
+from api.routing import CapturePrefixRouter, RequireKey, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
 from api.traits import with_traits
 from api.upstream import UpstreamClient
@@ -44,6 +45,8 @@ from capture.registry import installed_token_sink
 
 # nginx's status for a request whose client closed the connection first; nobody reads it.
 CLIENT_CLOSED_REQUEST = 499
+# How long /ready waits for the sink and for the upstream; a probe must answer quickly.
+READY_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,63 @@ async def base_path() -> dict[str, str]:
 
 
 async def health() -> dict[str, str]:
+    """Liveness: the process answers. Whether it can serve a call is ``/ready``'s question."""
     return {"status": "ok"}
+
+
+async def _sink_problem(sink: TokenSink | None) -> str | None:
+    """Why the sink cannot take an entry now, or None (also when there is no sink).
+
+    Redis: a PING on the store's own client (its pool, its password); the file store: its
+    directory is writable. The message names the server as host:port, never credentials.
+    """
+    if sink is None:
+        return None
+    client = getattr(sink, "_client", None)
+    if client is not None and hasattr(client, "ping"):
+        where = getattr(sink, "where", "redis")
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await client.ping()
+        except Exception as exc:  # any failure means not ready; the type says which
+            return f"{where} did not answer PING: {type(exc).__name__}"
+        return None
+    directory = getattr(sink, "dir", None)
+    if directory is not None and not os.access(directory, os.W_OK | os.X_OK):
+        return f"the capture directory {directory} is not writable"
+    return None
+
+
+async def _upstream_problem(upstream: UpstreamClient) -> str | None:
+    """Why the upstream cannot serve a call now (GET /v1/models), or None."""
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            await upstream.models()
+    except TimeoutError:
+        return f"upstream {upstream.where} did not answer within {READY_TIMEOUT_S} s"
+    except UpstreamError:
+        return f"upstream {upstream.where} did not list its models"
+    return None
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: 200 when the sink and the upstream answer, else 503 naming what does not.
+
+    Both are asked at once, each within READY_TIMEOUT_S, so a load balancer's probe gets its
+    answer in about that time even when both are down.
+    """
+    state = request.app.state
+    sink_problem, upstream_problem = await asyncio.gather(
+        _sink_problem(state.sink_slot.sink), _upstream_problem(state.upstream)
+    )
+    problems = {
+        name: problem
+        for name, problem in (("sink", sink_problem), ("upstream", upstream_problem))
+        if problem is not None
+    }
+    if problems:
+        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
+    return JSONResponse({"status": "ready"})
 
 
 async def metrics(request: Request) -> Response:
@@ -326,6 +385,7 @@ def _add_routes(app: FastAPI) -> None:
     for path in ("/", "/v1"):
         app.add_api_route(path, base_path, methods=["GET", "HEAD"], include_in_schema=False)
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     for path, name, schema in MODEL_ROUTES:
@@ -343,12 +403,16 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """The front end; each worker builds its own sink and upstream client at startup."""
     settings = settings or ServerSettings()
     slot = SinkSlot()
+    # The OpenAPI pages describe every route to whoever asks: served only when turned on.
+    pages = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
         title="tokcap front end",
         version="0.1.0",
         lifespan=functools.partial(_lifespan, settings=settings, slot=slot),
+        **pages,
     )
     app.state.settings = settings
+    app.state.sink_slot = slot
     app.state.metrics = FrontEndMetrics()
     app.add_middleware(CapturePrefixRouter, slot=slot, capture_timeout_s=settings.capture_timeout_s)
     app.add_middleware(
@@ -357,6 +421,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         max_inflight_bytes=settings.max_inflight_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
+    if settings.auth_secret:
+        # Outermost: a call without a key is refused before its body is read or counted.
+        app.add_middleware(RequireKey, secret=settings.auth_secret)
     _add_routes(app)
     return app
 

@@ -6,18 +6,36 @@ the plain API path), and opens the capture context of the call for tagged reques
 is passed through untouched. ``/ng-rollout/<id>/<api path>`` without the capture segment is
 served but not captured; an invalid id is answered with a 400 that names the rule, never
 rewritten (a rewritten id would merge or split rollouts).
+
+``RequireKey`` runs before both (and before a body is read): with an auth secret, a path
+under ``/v1/`` needs the secret, or on a rollout's own paths that rollout's token.
 """
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from api.dialects import anthropic, chat, responses
 from api.limits import send_error
 from api.types import ASGIApp, Receive, Scope, Send
 from capture.context import DEFAULT_CAPTURE_TIMEOUT_S, capture_call
 from capture.errors import InvalidRolloutIdError
 from capture.protocols import TokenSink
-from capture.rollout_ids import split_capture_path, validate_rollout_id
+from capture.rollout_ids import rollout_token, split_capture_path, validate_rollout_id
+
+# Paths under it are the model routes and need a key; "/", "/v1", "/health", "/ready" and
+# "/metrics" stay open (probes and scrapes send none).
+GUARDED_PREFIX = "/v1/"
+KEY_REFUSED = (
+    "missing or invalid API key: send the key as x-api-key or Authorization: Bearer "
+    "(on a rollout's path, that rollout's token or the front end's secret)"
+)
 
 
 @dataclass
@@ -76,3 +94,62 @@ class CapturePrefixRouter:
             return
         async with capture_call(rollout_id, sink, timeout_s=self.capture_timeout_s):
             await self.app(scope, receive, send)
+
+
+def _error_body(path: str, headers: Headers) -> Callable[[int, str], dict[str, Any]]:
+    """The 401 in the dialect the caller speaks, so its SDK raises its own auth error."""
+    if path.startswith("/v1/messages") or "anthropic-version" in headers:
+        return anthropic.error_body
+    if path.startswith("/v1/responses"):
+        return responses.error_body
+    return chat.error_body
+
+
+def _presented_keys(headers: Headers) -> list[bytes]:
+    """The keys harnesses send: ``x-api-key`` (Anthropic SDKs), ``Authorization: Bearer``."""
+    keys = [headers["x-api-key"]] if "x-api-key" in headers else []
+    scheme, _, credentials = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        keys.append(credentials.strip())
+    return [key.encode("latin-1") for key in keys if key]
+
+
+class RequireKey:
+    """Answer 401 to a call under /v1/ that carries neither the secret nor its rollout's token.
+
+    The expected keys are computed per request (one HMAC); every presented key is compared
+    with each in constant time. A rollout token opens only its own rollout's paths, captured
+    or not; the secret opens every path (the collector's own calls). No key is ever echoed.
+    """
+
+    def __init__(self, app: ASGIApp, secret: str) -> None:
+        self.app = app
+        self.secret = secret.encode()
+        self._secret_text = secret
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        rollout_id, _, rest = split_capture_path(scope["path"])
+        if not rest.startswith(GUARDED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self._accepts(_presented_keys(headers), rollout_id):
+            await self.app(scope, receive, send)
+            return
+        body = _error_body(rest, headers)(401, KEY_REFUSED)
+        refusal = JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
+        await refusal(scope, receive, send)
+
+    def _accepts(self, presented: list[bytes], rollout_id: str | None) -> bool:
+        expected = [self.secret]
+        if rollout_id is not None:
+            try:
+                expected.append(rollout_token(self._secret_text, rollout_id).encode())
+            except InvalidRolloutIdError:
+                pass  # no token names an invalid id; the secret may still pass (then a 400)
+        # Every comparison runs, so the time taken says nothing about which key came close.
+        matches = [hmac.compare_digest(key, want) for key in presented for want in expected]
+        return any(matches)

@@ -37,9 +37,13 @@ ENV_OVERRIDES = {
     "TOKCAP_PROMPTS": "prompts",
     "TOKCAP_RENDERER": "renderer_name",
     "TOKCAP_RENDERER_TOKENIZER": "renderer_tokenizer",
+    "TOKCAP_AUTH_SECRET": "auth_secret",
+    "TOKCAP_DOCS": "docs",
 }
 PROMPT_MODES = ("text", "faithful")
 INTEGER_SETTINGS = ("max_body_bytes", "max_inflight_bytes")
+BOOLEAN_SETTINGS = ("docs",)
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 class RendererBlock(BaseModel):
@@ -70,6 +74,8 @@ class ModelServerBlock(BaseModel):
     upstream_api_key: str | None = Field(default=None, repr=False)
     prompts: Literal["text", "faithful"] = "text"
     renderer: RendererBlock = Field(default_factory=RendererBlock)
+    auth_secret: str | None = Field(default=None, repr=False)
+    docs: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,11 @@ class ServerSettings:
     renderer_name: str = "qwen3"
     renderer_tokenizer: str | None = None
     thinking_retention: str = "all"
+    # When set, every path under /v1/ needs a key: this secret, or on a rollout's own paths
+    # that rollout's token (``capture.rollout_token``). Never shown, like upstream_api_key.
+    auth_secret: str | None = field(default=None, repr=False)
+    # Serve /docs, /redoc and /openapi.json; off by default, the schema is no one's business.
+    docs: bool = False
     capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
 
     def __post_init__(self) -> None:
@@ -115,6 +126,11 @@ class ServerSettings:
         if self.engine not in ENGINES:
             raise ConfigError(
                 f"model_server.engine must be one of {', '.join(ENGINES)}, not {self.engine!r}"
+            )
+        if self.auth_secret is not None and len(self.auth_secret) < 16:
+            raise ConfigError(
+                "model_server.auth_secret must be at least 16 characters (a rollout token is "
+                "only as hard to forge as the secret is to guess); leave it unset for no keys"
             )
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ConfigError(
@@ -164,6 +180,10 @@ class ServerSettings:
                     changes[name] = int(value)
                 except ValueError:
                     raise ConfigError(f"{variable} must be an integer, got {value!r}") from None
+            elif name in BOOLEAN_SETTINGS:
+                if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+                    raise ConfigError(f"{variable} must be 1 or 0, got {value!r}")
+                changes[name] = value.lower() in TRUE_WORDS
             else:
                 changes[name] = value
         return replace(self, **changes) if changes else self

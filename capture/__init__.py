@@ -21,6 +21,7 @@ _EXPORTS = {
     "rollout_id_from_run_body": "capture.rollout_ids",
     "validate_rollout_id": "capture.rollout_ids",
     "capture_base_url": "capture.rollout_ids",
+    "rollout_token": "capture.rollout_ids",
     "finalize_rollout_token_capture": "capture.delivery",
     "retire_rollout_token_capture": "capture.delivery",
     "MaskFractionGuard": "capture.delivery",

@@ -3,10 +3,16 @@
 ``_ng_rollout_id`` on the run body wins; otherwise ``{task}-{rollout}`` from the Gym indices,
 with ``-a{n}`` for attempt n > 0. An id that breaks the pattern is rejected, never rewritten:
 a rewritten id would silently merge or split rollouts.
+
+A rollout token is the key a rollout's harness sends with its calls when the front end has
+an auth secret: the secret's HMAC of the rollout id, so a harness that knows its own token
+cannot derive another rollout's, and the front end checks it without storing anything.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +23,8 @@ ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 ROLLOUT_ID_MAX_LEN = 200
 ROLLOUT_PREFIX = "ng-rollout"
 CAPTURE_SEGMENT = "training-token-capture"
+# Marks a rollout token in a header or a log a user pastes; the secret never starts with it.
+ROLLOUT_TOKEN_PREFIX = "tkr_"
 
 
 def validate_rollout_id(rollout_id: Any) -> str:
@@ -65,6 +73,19 @@ def capture_base_url(base_url: str, rollout_id: str, training: bool = True) -> s
     validate_rollout_id(rollout_id)
     url = f"{base_url.rstrip('/')}/{ROLLOUT_PREFIX}/{rollout_id}"
     return f"{url}/{CAPTURE_SEGMENT}" if training else url
+
+
+def rollout_token(secret: str, rollout_id: str) -> str:
+    """The key of one rollout: ``tkr_`` + hex HMAC-SHA256 of the rollout id keyed by the secret.
+
+    The collector hands it to the rollout's harness as its API key (``ANTHROPIC_API_KEY``,
+    ``OPENAI_API_KEY``); the front end accepts it on that rollout's paths only.
+    """
+    if not secret:
+        raise ValueError("rollout_token needs the front end's auth secret, got an empty one")
+    validate_rollout_id(rollout_id)
+    digest = hmac.new(secret.encode(), rollout_id.encode(), hashlib.sha256).hexdigest()
+    return ROLLOUT_TOKEN_PREFIX + digest
 
 
 def split_capture_path(path: str) -> tuple[str | None, bool, str]:

@@ -42,17 +42,37 @@ def _wire_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--without-token-ids",
         action="store_true",
-        help="answer like vLLM < 0.10.2 (SGLang < 0.5.17 with --wire sglang): no id fields",
+        help="answer like vLLM < 0.10.2 (SGLang < 0.5.17 with --wire sglang): no id fields "
+        "(default: off)",
     )
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     """What the engine serves and how it answers, and the knobs that make it lossy."""
-    parser.add_argument("--model", default="tokcap-engine", help="served model name")
-    parser.add_argument("--policy", choices=["scripted", "random"], default="scripted")
-    parser.add_argument("--script", default=None, help="YAML script for the scripted policy")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument(
+        "--model", default="tokcap-engine", help="served model name (default %(default)s)"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=["scripted", "random"],
+        default="scripted",
+        help="scripted: answers from --script (or the built-in script); random: random tokens "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--script",
+        default=None,
+        help="YAML script for the scripted policy (default: the built-in script)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the sampler (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=131072,
+        help="context window reported at /v1/models (default %(default)s)",
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -61,35 +81,46 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "(the renderers package); or a tokenizer.json, with the ChatML template "
         "(default: the shipped byte-level BPE)",
     )
-    parser.add_argument("--ground-truth", default=None, help="append sampled sequences (JSONL)")
+    parser.add_argument(
+        "--ground-truth",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="serve every sampled sequence at GET/DELETE /tokcap/ground_truth (for tests and "
+        "the demo) and, with PATH, append each to that JSONL file (default: off)",
+    )
     parser.add_argument(
         "--generation-config",
         default=None,
-        help="YAML with default temperature, top_p, top_k, max_tokens",
+        help="YAML with default temperature, top_p, top_k, max_tokens (default: none)",
     )
     parser.add_argument(
         "--noncanonical-rate",
         type=float,
         default=0.0,
-        help="per-token chance of a non-canonical two-token segmentation",
+        help="per-token chance of a non-canonical two-token segmentation (default %(default)s)",
     )
     parser.add_argument(
         "--think-strip",
         action="store_true",
         help="the ChatML template drops past <think> blocks; ignored with --tokenizer qwen3, "
-        "whose template already drops the thinking of turns before the last user query",
+        "whose template already drops the thinking of turns before the last user query "
+        "(default: off)",
     )
     parser.add_argument(
         "--json-reserialize",
         action="store_true",
-        help="tool-call JSON is generated compact, re-rendered with spaces",
+        help="tool-call JSON is generated compact, re-rendered with spaces (default: off)",
     )
 
 
 def _server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8001, help="port to bind (default %(default)s)")
+    parser.add_argument(
+        "--log-level", default="warning", help="uvicorn log level (default %(default)s)"
+    )
     parser.add_argument(
         "--loop",
         choices=["auto", "asyncio", "uvloop"],
@@ -114,7 +145,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         seed=args.seed,
         max_model_len=args.max_model_len,
         tokenizer_path=args.tokenizer,
-        ground_truth_path=args.ground_truth,
+        ground_truth=args.ground_truth is not None,
+        ground_truth_path=args.ground_truth if isinstance(args.ground_truth, str) else None,
         noncanonical_rate=args.noncanonical_rate,
         think_strip=args.think_strip,
         json_reserialize=args.json_reserialize,
@@ -137,6 +169,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"tokcap engine: {exc}", file=sys.stderr)
         return 2
+    # Quiet by default (log level warning), so say once where to point a front end.
+    print(
+        f"tokcap engine: http://{args.host}:{args.port} ({args.wire} wire, model "
+        f"{settings.model}, {args.policy} policy)",
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.run(
         create_app(settings),
         host=args.host,

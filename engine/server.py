@@ -2,8 +2,9 @@
 
 ``settings.wire`` picks the routes, reply shapes and error bodies: vLLM 0.10.2's
 (``engine.wire_vllm``, the default) or SGLang 0.5.23's (``engine.wire_sglang``). Both wires
-share ``GET /health`` and ``GET``/``DELETE /tokcap/ground_truth`` (every sampled sequence,
-for tests and the demo), and sample the same sequences for the same request. With an
+share ``GET /health`` and, with ``settings.ground_truth`` (``--ground-truth``), ``GET``/``DELETE
+/tokcap/ground_truth`` (every sampled sequence, for tests and the demo; nobody else should
+read another's samples), and sample the same sequences for the same request. With an
 ``api_key`` each wire asks for it where its engine does (``engine.auth``).
 """
 
@@ -37,8 +38,8 @@ async def clear_ground_truth(request: Request) -> Response:
     return Response(status_code=204)
 
 
-SHARED_ROUTES = (
-    ("/health", health, "GET"),
+SHARED_ROUTES = (("/health", health, "GET"),)
+GROUND_TRUTH_ROUTES = (
     ("/tokcap/ground_truth", ground_truth, "GET"),
     ("/tokcap/ground_truth", clear_ground_truth, "DELETE"),
 )
@@ -51,7 +52,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     app.state.engine = Engine(settings)
     for exception, handler in wire.HANDLERS:
         app.add_exception_handler(exception, handler)
-    for path, endpoint, method in (*SHARED_ROUTES, *wire.ROUTES):
+    routes = (*SHARED_ROUTES, *(GROUND_TRUTH_ROUTES if settings.ground_truth else ()))
+    for path, endpoint, method in (*routes, *wire.ROUTES):
         app.add_api_route(path, endpoint, methods=[method])
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, key=settings.api_key, guarded=wire.needs_key)

@@ -38,6 +38,9 @@ class EngineSettings:
     # None: engine/assets/tokenizer.json.
     tokenizer_path: str | None = None
     ground_truth_path: str | None = None  # JSONL, one line per generated sequence
+    # Serve GET/DELETE /tokcap/ground_truth: every sampled id, to anyone who asks, so only
+    # for tests and the demo (``--ground-truth``).
+    ground_truth: bool = False
     # Knobs that emulate what real serving does to re-rendered history.
     noncanonical_rate: float = 0.0
     think_strip: bool = False  # ChatML only: Qwen3's own template decides what it drops

@@ -176,6 +176,7 @@ def _start_serving(
             MODEL,
             "--policy",
             "random",
+            "--ground-truth",  # the demo compares every delivered id with what was sampled
             *engine_args,
         ],
         workdir,

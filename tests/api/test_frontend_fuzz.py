@@ -31,7 +31,10 @@ PROMPT_MODES = {
 @pytest.fixture(scope="module", params=sorted(PROMPT_MODES))
 def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     engine, front = PROMPT_MODES[request.param]
-    with both_servers(tmp_path_factory.mktemp("captures"), engine=engine, **front) as running:
+    # The schema is read from /openapi.json, served only with docs on.
+    with both_servers(
+        tmp_path_factory.mktemp("captures"), engine=engine, docs=True, **front
+    ) as running:
         yield running
 
 

@@ -74,9 +74,11 @@ def renderer():
 def servers():
     """One qwen3 engine per wire, and one with the non-canonical knob (vLLM wire)."""
     variants = {
-        "vllm": EngineSettings(tokenizer_path="qwen3"),
-        "sglang": EngineSettings(tokenizer_path="qwen3", wire="sglang"),
-        "noncanonical": EngineSettings(tokenizer_path="qwen3", noncanonical_rate=0.5, seed=1),
+        "vllm": EngineSettings(tokenizer_path="qwen3", ground_truth=True),
+        "sglang": EngineSettings(tokenizer_path="qwen3", wire="sglang", ground_truth=True),
+        "noncanonical": EngineSettings(
+            tokenizer_path="qwen3", noncanonical_rate=0.5, seed=1, ground_truth=True
+        ),
     }
     stack, opened = [], {}
     try:

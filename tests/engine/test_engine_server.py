@@ -37,7 +37,7 @@ EXTRAS = {"return_token_ids": True, "return_tokens_as_token_ids": True}
 
 @pytest.fixture(scope="module")
 def base():
-    with serve_app(create_app(EngineSettings(model="tiny"))) as url:
+    with serve_app(create_app(EngineSettings(model="tiny", ground_truth=True))) as url:
         yield url
 
 
@@ -325,7 +325,7 @@ def legacy_base(tmp_path_factory):
         "  - match: boom\n    error: 500\n"
         "default:\n  text: fine\n"
     )
-    settings = EngineSettings(script_path=str(script), token_id_fields=False)
+    settings = EngineSettings(script_path=str(script), token_id_fields=False, ground_truth=True)
     with serve_app(create_app(settings)) as url:
         yield url
 

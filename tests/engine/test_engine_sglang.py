@@ -29,7 +29,9 @@ IDS = {"return_token_ids": True, "return_meta_info": True, "logprobs": True}
 
 @pytest.fixture(scope="module")
 def base():
-    with serve_app(create_app(EngineSettings(wire="sglang", model="tiny"))) as url:
+    with serve_app(
+        create_app(EngineSettings(wire="sglang", model="tiny", ground_truth=True))
+    ) as url:
         yield url
 
 
@@ -204,7 +206,7 @@ def test_both_wires_sample_and_log_the_same_sequences(base):
     httpx.delete(f"{base}/tokcap/ground_truth", timeout=30)
     sglang = post(base, "/v1/chat/completions", {**body, "return_token_ids": True}).json()
     sglang_truth = last_truth(base, 2)
-    with serve_app(create_app(EngineSettings(model="tiny"))) as vllm_base:
+    with serve_app(create_app(EngineSettings(model="tiny", ground_truth=True))) as vllm_base:
         vllm = post(vllm_base, "/v1/chat/completions", {**body, "return_token_ids": True}).json()
         vllm_truth = last_truth(vllm_base, 2)
     assert [r["choice_index"] for r in sglang_truth] == [0, 1]

@@ -60,6 +60,8 @@ class Servers:
 
 @contextlib.contextmanager
 def engine_server(**settings: Any) -> Iterator[str]:
+    """The engine in a thread; its ground-truth route is on (the checks read it)."""
+    settings.setdefault("ground_truth", True)
     with serve_app(create_engine_app(EngineSettings(**settings))) as url:
         yield url
 
