@@ -1,0 +1,67 @@
+"""Readiness (issue 14): ``/ready`` answers 200 only when the sink and the upstream answer.
+
+``/health`` says the process lives; ``/ready`` asks the sink (a Redis PING through the
+store's own client; the file store's directory) and the upstream (``GET /v1/models``), and
+answers 503 naming what is not ready as host:port, never a password.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from api.settings import ServerSettings
+from capture.config import TokenIdCaptureConfig
+from tests.support.frontend import both_servers, engine_server, file_store_settings, front_end
+from tokcap.processes import free_port
+
+REDIS_PASSWORD = "redis-pass-7f3a9c"
+UPSTREAM_PASSWORD = "upstream-pass-51e0"
+
+
+def test_ready_when_the_file_store_and_the_engine_answer(tmp_path: Path) -> None:
+    with both_servers(tmp_path / "captures") as servers:
+        response = httpx.get(servers.front + "/ready", timeout=30)
+    assert response.status_code == 200 and response.json() == {"status": "ready"}
+
+
+def test_ready_without_a_sink_asks_only_the_upstream() -> None:
+    with engine_server() as engine, front_end(ServerSettings(upstream=engine)) as front:
+        assert httpx.get(front + "/ready", timeout=30).status_code == 200
+
+
+def test_not_ready_names_the_upstream_that_does_not_answer(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    upstream = f"http://user:{UPSTREAM_PASSWORD}@127.0.0.1:{port}"
+    settings = file_store_settings(upstream, tmp_path / "captures")
+    with front_end(settings) as front:
+        assert httpx.get(front + "/health", timeout=30).status_code == 200, "alive all the same"
+        response = httpx.get(front + "/ready", timeout=30)
+    assert response.status_code == 503
+    problems = response.json()["problems"]
+    assert set(problems) == {"upstream"}
+    assert f"127.0.0.1:{port}" in problems["upstream"]
+    assert UPSTREAM_PASSWORD not in response.text and "user:" not in response.text
+
+
+def test_ready_follows_the_redis_sink(redis_server_factory, redis_prefix: str) -> None:
+    server = redis_server_factory(requirepass=REDIS_PASSWORD)
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{server.port}/0"
+    capture = TokenIdCaptureConfig(
+        enabled=True,
+        sink="transports.redis:RedisTokenSink",
+        sink_kwargs={"url": url, "key_prefix": redis_prefix},
+    )
+    with (
+        engine_server() as engine,
+        front_end(ServerSettings(upstream=engine, capture=capture)) as front,
+    ):
+        assert httpx.get(front + "/ready", timeout=30).status_code == 200
+        server.stop()
+        response = httpx.get(front + "/ready", timeout=30)
+    assert response.status_code == 503
+    problems = response.json()["problems"]
+    assert set(problems) == {"sink"}
+    assert f"127.0.0.1:{server.port}" in problems["sink"]
+    assert REDIS_PASSWORD not in response.text
