@@ -7,6 +7,7 @@ skips, and says so, where no compose tool is installed.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,11 @@ from tests.support.servers import free_port, run_process
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+# What `docker compose config` is run with; the file refuses to resolve without them.
+SECRETS = {
+    "TOKCAP_REDIS_PASSWORD": "pw-for-compose-test",
+    "TOKCAP_AUTH_SECRET": "0123456789abcdef0",
+}
 FRONTEND_CONFIG = ROOT / "deploy" / "tokcap.yaml"
 SERVICES = {"redis", "engine", "frontend", "worker"}
 
@@ -41,21 +47,38 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())
 
 
-def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
+def compose_config(tmp_path: Path, **environ: str) -> subprocess.CompletedProcess:
+    """``config`` of the compose file under exactly ``environ`` (plus PATH and HOME)."""
     command = compose_command()
     if command is None:
         pytest.skip(
             "no compose tool: neither the docker CLI's compose plugin (`docker compose`) nor "
             "`docker-compose` is installed, so `docker compose config` cannot run here"
         )
-    proc = subprocess.run(
+    return subprocess.run(
         [*command, "-f", str(COMPOSE_FILE), "config"],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=tmp_path,
-        env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)},
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), **environ},
     )
+
+
+def published(service: dict) -> list[tuple[str, str, str]]:
+    """(host ip, host port, container port) of each port ``config`` resolved, short or long."""
+    ports = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):  # docker compose v2
+            ports.append((port.get("host_ip", ""), str(port["published"]), str(port["target"])))
+            continue
+        parts = str(port).removesuffix("/tcp").split(":")  # docker-compose 1.x
+        ports.append((parts[0], parts[1], parts[2]) if len(parts) == 3 else ("", *parts))
+    return ports
+
+
+def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
+    proc = compose_config(tmp_path, **SECRETS)
     assert proc.returncode == 0, proc.stderr
     resolved = yaml.safe_load(proc.stdout)
     assert set(resolved["services"]) == SERVICES
@@ -63,6 +86,40 @@ def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
     engine_command = resolved["services"]["engine"]["command"]
     assert "${" not in " ".join(engine_command)
     assert "container_name" not in resolved["services"]["worker"]
+    services = resolved["services"]
+    # Published on loopback only: the front end for harnesses, Redis for the trainer.
+    assert published(services["frontend"]) == [("127.0.0.1", "8000", "8000")]
+    assert published(services["redis"]) == [("127.0.0.1", "6379", "6379")]
+    assert not published(services["engine"]) and not published(services["worker"])
+    redis_command = services["redis"]["command"]
+    assert redis_command[redis_command.index("--requirepass") + 1] == "pw-for-compose-test"
+    for name in ("frontend", "worker"):
+        url = services[name]["environment"]["TOKCAP_REDIS_URL"]
+        assert url == "redis://:pw-for-compose-test@redis:6379/0", name
+        assert "pw-for-compose-test" not in " ".join(services[name]["command"]), "not in argv"
+    assert services["frontend"]["environment"]["TOKCAP_AUTH_SECRET"] == "0123456789abcdef0"
+
+
+@pytest.mark.parametrize("missing", sorted(SECRETS))
+def test_compose_config_refuses_to_run_without_its_secrets(tmp_path: Path, missing: str) -> None:
+    proc = compose_config(tmp_path, **{k: v for k, v in SECRETS.items() if k != missing})
+    assert proc.returncode != 0
+    assert missing in proc.stderr
+
+
+def test_published_ports_listen_on_loopback_and_redis_needs_a_password(compose: dict) -> None:
+    """The same bindings as written in the file, where no compose tool is installed."""
+    services = compose["services"]
+    for name in ("frontend", "redis"):
+        assert [port.partition(":")[0] for port in services[name]["ports"]] == ["127.0.0.1"]
+    assert "ports" not in services["engine"] and "ports" not in services["worker"]
+    command = services["redis"]["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${TOKCAP_REDIS_PASSWORD:?")
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == "${TOKCAP_REDIS_PASSWORD}"
+    for name in ("frontend", "worker"):
+        url = services[name]["environment"]["TOKCAP_REDIS_URL"]
+        assert url.startswith("redis://:${TOKCAP_REDIS_PASSWORD"), name
+        assert "--url" not in services[name]["command"], "a URL argument shows in ps"
 
 
 def test_every_service_has_a_healthcheck(compose: dict) -> None:
@@ -146,23 +203,24 @@ def healthcheck_code(compose: dict, service: str) -> str:
 def test_worker_healthcheck_passes_against_a_real_worker(
     compose: dict, redis_server_factory
 ) -> None:
-    server = redis_server_factory()
-    code = healthcheck_code(compose, "worker").replace("redis://redis:6379/0", server.url)
+    server = redis_server_factory(requirepass="pw-for-compose-test")
+    url = f"redis://:pw-for-compose-test@127.0.0.1:{server.port}/0"
+    code = healthcheck_code(compose, "worker")
     check = [sys.executable, "-c", code]
+    environ = {**os.environ, "TOKCAP_REDIS_URL": url}
     # No worker yet: no consumer group, so the check fails.
-    assert subprocess.run(check, capture_output=True, timeout=30).returncode != 0
+    assert subprocess.run(check, capture_output=True, timeout=30, env=environ).returncode != 0
     worker = [
         sys.executable,
         "-m",
         "transports.cli.worker",
-        "--url",
-        server.url,
         "--block-ms",
         "200",
     ]
-    with run_process(worker, env={"PYTHONPATH": str(ROOT)}):
+    # As compose runs it: the URL, password included, only in the environment.
+    with run_process(worker, env={"PYTHONPATH": str(ROOT), "TOKCAP_REDIS_URL": url}):
         deadline = time.monotonic() + 30
-        while subprocess.run(check, capture_output=True, timeout=30).returncode != 0:
+        while subprocess.run(check, capture_output=True, timeout=30, env=environ).returncode != 0:
             assert time.monotonic() < deadline, "the worker healthcheck never passed"
             time.sleep(0.2)
 
