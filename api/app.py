@@ -29,7 +29,7 @@ from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
 from api.prompts.faithful import FaithfulPrompts, Prompt, faithful_prompts
-from api.routing import CapturePrefixRouter, RequireKey, SinkSlot
+from api.routing import OPEN_PATHS, CapturePrefixRouter, RequireKey, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
 from api.traits import with_traits
 from api.upstream import UpstreamClient
@@ -423,7 +423,10 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     )
     if settings.auth_secret:
         # Outermost: a call without a key is refused before its body is read or counted.
-        app.add_middleware(RequireKey, secret=settings.auth_secret)
+        # The OpenAPI pages, when served, are for a browser, which sends no key.
+        served = (app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url, app.openapi_url)
+        open_paths = OPEN_PATHS | {page for page in served if page and settings.docs}
+        app.add_middleware(RequireKey, secret=settings.auth_secret, open_paths=open_paths)
     _add_routes(app)
     return app
 

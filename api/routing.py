@@ -7,8 +7,8 @@ is passed through untouched. ``/ng-rollout/<id>/<api path>`` without the capture
 served but not captured; an invalid id is answered with a 400 that names the rule, never
 rewritten (a rewritten id would merge or split rollouts).
 
-``RequireKey`` runs before both (and before a body is read): with an auth secret, a path
-under ``/v1/`` needs the secret, or on a rollout's own paths that rollout's token.
+``RequireKey`` runs before both (and before a body is read): with an auth secret, every path
+but the probes needs the secret, or on a rollout's own paths that rollout's token.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from capture.errors import InvalidRolloutIdError
 from capture.protocols import TokenSink
 from capture.rollout_ids import rollout_token, split_capture_path, validate_rollout_id
 
-# Paths under it are the model routes and need a key; "/", "/v1", "/health", "/ready" and
-# "/metrics" stay open (probes and scrapes send none).
-GUARDED_PREFIX = "/v1/"
+# Paths (after the rollout prefix) that need no key: harnesses probe the base URL with HEAD,
+# orchestrators ask /health and /ready, Prometheus scrapes /metrics. Every other path needs
+# one, so a path spelled to slip past a list of guarded routes finds no way in.
+OPEN_PATHS = frozenset({"/", "/v1", "/health", "/ready", "/metrics"})
 KEY_REFUSED = (
     "missing or invalid API key: send the key as x-api-key or Authorization: Bearer "
     "(on a rollout's path, that rollout's token or the front end's secret)"
@@ -115,24 +116,25 @@ def _presented_keys(headers: Headers) -> list[bytes]:
 
 
 class RequireKey:
-    """Answer 401 to a call under /v1/ that carries neither the secret nor its rollout's token.
+    """Answer 401 to a request off the open paths with neither the secret nor its rollout's token.
 
     The expected keys are computed per request (one HMAC); every presented key is compared
     with each in constant time. A rollout token opens only its own rollout's paths, captured
     or not; the secret opens every path (the collector's own calls). No key is ever echoed.
     """
 
-    def __init__(self, app: ASGIApp, secret: str) -> None:
+    def __init__(self, app: ASGIApp, secret: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.secret = secret.encode()
         self._secret_text = secret
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         rollout_id, _, rest = split_capture_path(scope["path"])
-        if not rest.startswith(GUARDED_PREFIX):
+        if rest in self.open_paths:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)

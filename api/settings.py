@@ -106,8 +106,9 @@ class ServerSettings:
     renderer_name: str = "qwen3"
     renderer_tokenizer: str | None = None
     thinking_retention: str = "all"
-    # When set, every path under /v1/ needs a key: this secret, or on a rollout's own paths
-    # that rollout's token (``capture.rollout_token``). Never shown, like upstream_api_key.
+    # When set, every path but the probes (/, /v1, /health, /ready, /metrics) needs a key:
+    # this secret, or on a rollout's own paths that rollout's token (``capture.rollout_token``).
+    # Never shown, like upstream_api_key.
     auth_secret: str | None = field(default=None, repr=False)
     # Serve /docs, /redoc and /openapi.json; off by default, the schema is no one's business.
     docs: bool = False

@@ -1,4 +1,4 @@
-"""Keys (issue 14): with ``model_server.auth_secret`` every path under /v1/ needs a key.
+"""Keys (issue 14): with ``model_server.auth_secret`` every path but the probes needs a key.
 
 The key travels as harnesses send one (``x-api-key`` or ``Authorization: Bearer``); a
 rollout's own paths also take its token (``capture.rollout_token``), which no other path
@@ -132,6 +132,22 @@ def test_no_header_at_all_is_a_401_before_the_body_is_read(servers: Servers, pat
         assert response.status_code == 401, response.text
         assert response.headers["www-authenticate"] == "Bearer"
     assert httpx.get(servers.front + "/v1/models", timeout=30).status_code == 401
+
+
+@pytest.mark.parametrize(
+    "path", ["//v1/messages", "/v1/messages/", "/V1/messages", "/v1/nothing", "/openapi.json"]
+)
+def test_any_other_spelling_is_closed_too(servers: Servers, path: str) -> None:
+    for base in (servers.front, servers.base("auth-odd")):
+        assert httpx.post(base + path, json=MESSAGE, timeout=30).status_code == 401
+    assert inspect(servers.store_dir, "auth-odd")["state"] == "absent"
+
+
+def test_docs_pages_when_turned_on_need_no_key(tmp_path: Path) -> None:
+    with both_servers(tmp_path, auth_secret=SECRET, docs=True) as servers:
+        for page in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(servers.front + page, timeout=30).status_code == 200
+        assert httpx.post(servers.front + "/v1/messages", json=MESSAGE).status_code == 401
 
 
 def test_probes_stay_open(servers: Servers) -> None:
