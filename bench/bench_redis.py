@@ -1,12 +1,21 @@
 """Redis store figures beside the file store's, on bench_capture's synthetic rollout (not a test).
 
-Run: ``.venv/bin/python bench/bench_redis.py`` (starts a private redis-server with AOF and
-``appendfsync always`` in a temp dir, unless ``REDIS_URL`` is set).
+Run: ``.venv/bin/python -m bench.bench_redis [--baseline /tmp/base-tree]`` (starts a private
+redis-server with AOF and ``appendfsync always`` in a temp dir, unless ``REDIS_URL`` is set).
 
 Prints bench_capture's table with a ``redis`` row per rollout length (stored bytes are Redis
 ``MEMORY USAGE`` of the rollout's key), then the put of one 27,000-token entry (the turn
 that brings the rollout to 27,000 prompt tokens, into a rollout holding the earlier turns),
 timed for both stores in alternation so both see the same disk and the same neighbours.
+
+Then two figures of the Redis put alone, each for this tree and, with ``--baseline``, for
+another checkout (the commit before a change) in the same run on the same server. Each
+tree's code runs in child processes of its own (``PYTHONPATH`` names the tree), started and
+stopped by PID:
+- put p50 of that 27,000-token entry beside a bare ``HSET`` of the same fields and bytes
+  the put wrote (read back from the hash), from the same process and client library;
+- durable puts/s with 4 processes x 64 rollouts at once, each rollout putting its calls in
+  order, the clock running from a common start until the last put returns.
 """
 
 from __future__ import annotations
@@ -14,14 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
 from bench.bench_capture import (
     STORE_KINDS,
@@ -30,11 +43,14 @@ from bench.bench_capture import (
     print_table,
     synthetic_rollout,
 )
+from tokcap.processes import stop_process
 from tokcap.redis_server import RedisServer
 from transports.redis import RedisTokenStore
 from transports.redis.keys import rollout_key
 
 PUT_TURN = 50  # 2,000 system tokens + 50 turns x 500 = 27,000 prompt tokens
+THIS_TREE = Path(__file__).resolve().parents[1]
+LOAD_PROCESSES, LOAD_ROLLOUTS = 4, 64
 
 
 def redis_kind(url: str) -> StoreKind:
@@ -75,34 +91,208 @@ async def put_27k(kinds: list[StoreKind], trials: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-async def main(url: str, turns: list[int], trials: int) -> None:
-    kinds = [STORE_KINDS["file"], redis_kind(url)]
-    rows = [await bench_store(kind, n) for kind in kinds for n in turns]
-    print_table(rows)
-    p50 = await put_27k(kinds, trials)
+# -- the Redis put alone, run by each tree's code in a child process -----------------------
+
+
+async def child_put(url: str, prefix: str, trials: int) -> dict[str, Any]:
+    """Per trial: the 27,000-token put, and a bare HSET of what it wrote, in turn first."""
+    store = RedisTokenStore(url=url, key_prefix=prefix)
+    client = aioredis.Redis.from_url(url)
+    put_ms: list[float] = []
+    hset_ms: list[float] = []
+    written: dict[bytes, bytes] = {}
+
+    async def bare(trial: int) -> None:
+        start = time.perf_counter()
+        await client.hset(f"{prefix}:bare:{trial}", mapping=written)
+        hset_ms.append((time.perf_counter() - start) * 1000)
+
+    for trial in range(trials):
+        rollout_id = f"put27k-{trial}"
+        entries = synthetic_rollout(rollout_id, PUT_TURN + 1, seed=trial)
+        for entry in entries[:PUT_TURN]:
+            await store.put(entry)
+        if written and trial % 2:
+            await bare(trial)
+        key = rollout_key(prefix, rollout_id)
+        before = await client.hgetall(key)
+        start = time.perf_counter()
+        await store.put(entries[PUT_TURN])
+        put_ms.append((time.perf_counter() - start) * 1000)
+        after = await client.hgetall(key)
+        written = {name: value for name, value in after.items() if before.get(name) != value}
+        if not trial % 2:
+            await bare(trial)
+    await store.close()
+    await client.aclose()
+    size = sum(len(name) + len(value) for name, value in written.items())
+    return {"put_ms": put_ms, "hset_ms": hset_ms, "fields": len(written), "bytes": size}
+
+
+async def child_load(url: str, prefix: str, rollouts: int, turns: int) -> dict[str, Any]:
+    """``rollouts`` rollouts at once, each putting its calls in order, after a "go" line."""
+    work = [synthetic_rollout(f"load-{n}", turns, seed=n) for n in range(rollouts)]
+    store = RedisTokenStore(url=url, key_prefix=prefix)
+    await store.check()
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+    async def one(entries: list[Any]) -> None:
+        for entry in entries:
+            await store.put(entry)
+
+    started = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
+    cpu = time.process_time()
+    await asyncio.gather(*(one(entries) for entries in work))
+    ended = time.monotonic()
+    cpu = time.process_time() - cpu
+    await store.close()
+    return {"puts": rollouts * turns, "started": started, "ended": ended, "cpu_s": cpu}
+
+
+def _child(tree: Path, *args: str, stdin: int | None = None) -> subprocess.Popen:
+    """This file's child mode, importing the code under test from ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--child", *args],
+        env=env,
+        cwd=tree,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _reply(proc: subprocess.Popen) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench child {proc.pid} exited with {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_put(tree: Path, url: str, prefix: str, trials: int) -> dict[str, Any]:
+    proc = _child(tree, "put", url, prefix, str(trials))
+    try:
+        return _reply(proc)
+    finally:
+        stop_process(proc)
+
+
+def run_load(tree: Path, url: str, prefix: str, turns: int) -> dict[str, float]:
+    """Durable puts/s of LOAD_PROCESSES processes x LOAD_ROLLOUTS rollouts, one common start."""
+    procs = [
+        _child(tree, "load", url, f"{prefix}p{n}", str(LOAD_ROLLOUTS), str(turns), stdin=-1)
+        for n in range(LOAD_PROCESSES)
+    ]
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"bench child {proc.pid} did not get ready")
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        replies = [_reply(proc) for proc in procs]
+    finally:
+        for proc in procs:
+            stop_process(proc)
+    seconds = max(r["ended"] for r in replies) - min(r["started"] for r in replies)
+    puts = sum(r["puts"] for r in replies)
+    cpu_ms = sum(r["cpu_s"] for r in replies) * 1000 / puts
+    return {"puts": puts, "seconds": seconds, "rate": puts / seconds, "cpu_ms": cpu_ms}
+
+
+def compare_puts(url: str, trees: dict[str, Path], trials: int, rounds: int, turns: int) -> None:
+    """The put figures of every tree, alternating between trees round by round."""
+    put_ms: dict[str, list[float]] = {name: [] for name in trees}
+    hset_ms: dict[str, list[float]] = {name: [] for name in trees}
+    load: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    written = ""
+    for number in range(rounds):
+        for name, tree in trees.items():
+            prefix = f"cmp{number}{name}"
+            got = run_put(tree, url, prefix, trials)
+            put_ms[name] += got["put_ms"]
+            hset_ms[name] += got["hset_ms"]
+            written = f"{got['fields']} fields, {got['bytes']} bytes"
+        for name, tree in trees.items():
+            load[name].append(run_load(tree, url, f"load{number}{name}", turns))
     print()
+    bare = statistics.median([ms for values in hset_ms.values() for ms in values])
     print(
-        f"put p50 of one 27,000-token entry ({trials} trials): "
-        + ", ".join(f"{name} {ms:.2f} ms" for name, ms in p50.items())
-        + f"; file / redis = {p50['file'] / p50['redis']:.2f}x"
+        f"put of the 27,000-token entry (adds 500 tokens) vs a bare HSET of what it wrote "
+        f"({written}), appendfsync always; {rounds} rounds x {trials} trials per tree:"
     )
+    for name in trees:
+        p50 = statistics.median(put_ms[name])
+        own = statistics.median(hset_ms[name])
+        print(
+            f"  {name:>8}: put p50 {p50:.2f} ms, bare HSET p50 {own:.2f} ms "
+            f"(all trees {bare:.2f} ms): put / HSET = {p50 / bare:.2f}x"
+        )
     print(
-        "targets: redis put p50 <= 1.0 ms and >= 3x faster than the file store; "
-        "redis bytes <= 1.5x the raw final context at 200 turns"
+        f"durable puts/s, {LOAD_PROCESSES} processes x {LOAD_ROLLOUTS} rollouts x {turns} calls "
+        f"(context 2,000 to {2_000 + 500 * (turns - 1):,} tokens), median of {rounds} runs:"
     )
+    rates = {}
+    for name in trees:
+        runs = sorted(load[name], key=lambda run: run["rate"])
+        middle = runs[len(runs) // 2]
+        rates[name] = middle["rate"]
+        print(
+            f"  {name:>8}: {middle['rate']:.0f} puts/s ({middle['puts']} puts in "
+            f"{middle['seconds']:.2f} s; client CPU {middle['cpu_ms']:.2f} ms per put); "
+            "all runs: " + ", ".join(f"{run['rate']:.0f}" for run in load[name])
+        )
+    if "baseline" in rates:
+        print(f"  this tree / baseline = {rates['this'] / rates['baseline']:.2f}x")
+    print("targets: put p50 <= 1.5x the bare HSET; puts/s >= 2x the baseline")
+
+
+async def main(url: str, args: argparse.Namespace) -> None:
+    if not args.skip_table:
+        kinds = [STORE_KINDS["file"], redis_kind(url)]
+        rows = [await bench_store(kind, n) for kind in kinds for n in args.turns]
+        print_table(rows)
+        p50 = await put_27k(kinds, args.trials)
+        print()
+        print(
+            f"put p50 of one 27,000-token entry ({args.trials} trials): "
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in p50.items())
+            + f"; file / redis = {p50['file'] / p50['redis']:.2f}x"
+        )
+    trees = {"this": THIS_TREE}
+    if args.baseline:
+        trees["baseline"] = Path(args.baseline).resolve()
+    compare_puts(url, trees, args.trials, args.rounds, args.load_turns)
+
+
+def child_main(argv: list[str]) -> None:
+    mode, url, prefix, *rest = argv
+    if mode == "put":
+        result = asyncio.run(child_put(url, prefix, int(rest[0])))
+    else:
+        result = asyncio.run(child_load(url, prefix, int(rest[0]), int(rest[1])))
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child_main(sys.argv[2:])
+        sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--trials", type=int, default=21)
+    parser.add_argument("--baseline", help="another checkout to compare with (its root)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per tree")
+    parser.add_argument("--load-turns", type=int, default=20, help="calls per load rollout")
+    parser.add_argument("--skip-table", action="store_true", help="only the put figures")
     args = parser.parse_args()
     if os.environ.get("REDIS_URL"):
-        asyncio.run(main(os.environ["REDIS_URL"], args.turns, args.trials))
+        asyncio.run(main(os.environ["REDIS_URL"], args))
     else:
         with tempfile.TemporaryDirectory(prefix="tokcap-bench-redis-") as data_dir:
             server = RedisServer(Path(data_dir)).start()
             try:
-                asyncio.run(main(server.url, args.turns, args.trials))
+                asyncio.run(main(server.url, args))
             finally:
                 server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import textwrap
@@ -116,18 +117,22 @@ async def test_kill9_under_load_loses_no_acknowledged_put(redis_server_factory, 
 async def test_500_freezes_racing_puts_lose_nothing(redis_url, redis_prefix):
     store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
     late = 0
+    rng = random.Random(500)
     for round_number in range(500):
         rollout_id = f"round-{round_number}"
         entries = [
             make_token_entry(rollout_id, f"c-{i}", prompt=[round_number, i] * 150) for i in range(3)
         ]
 
-        async def put(entry):
+        async def put(entry, delay):
+            # A put is one round trip and a freeze two, so puts sent at once always land
+            # first; a random delay of up to a freeze's length makes them race for real.
+            await asyncio.sleep(delay)
             await store.put(entry)
             return entry.model_call_id
 
         *outcomes, snapshot = await asyncio.gather(
-            *(put(entry) for entry in entries),
+            *(put(entry, rng.uniform(0, 0.003)) for entry in entries),
             store.freeze(rollout_id),
             return_exceptions=True,
         )

@@ -292,3 +292,38 @@ async def test_branching_prompts_round_trip_exactly(redis_url, redis_prefix):
     assert [e.model_dump() for e in snapshot.entries] == [e.model_dump() for e in entries]
     for writer in writers:
         await writer.close()
+
+
+async def test_a_long_rollout_new_to_this_writer_sends_only_what_is_missing(
+    redis_server_factory, redis_prefix
+):
+    """Another front end wrote the history: the put asks by name, then sends the new block."""
+    server = redis_server_factory()
+    first = RedisTokenStore(url=server.url, key_prefix=redis_prefix)
+    second = RedisTokenStore(url=server.url, key_prefix=redis_prefix)
+    history = list(range(20_000))  # 80 kB of packed ids
+    await first.put(make_token_entry("hop", "c-1", prompt=history, generation=[1]))
+    await second.check()
+    with redis.Redis.from_url(server.url) as raw:
+        before = raw.info("stats")["total_net_input_bytes"]
+        await second.put(make_token_entry("hop", "c-2", prompt=[*history, 1, 5], generation=[2]))
+        after = raw.info("stats")["total_net_input_bytes"]
+    assert after - before < 16_000  # names of 81 blocks twice, and one block's bytes
+    # And back: the first writer's memory of the tail is stale, and it still stores right.
+    third = make_token_entry("hop", "c-3", prompt=[*history, 1, 5, 2, 9], generation=[3])
+    await first.put(third)
+    snapshot = await first.freeze("hop")
+    assert [e.prompt_token_ids for e in snapshot.entries] == [
+        history,
+        [*history, 1, 5],
+        [*history, 1, 5, 2, 9],
+    ]
+    await first.close()
+    await second.close()
+
+
+async def test_a_flushed_script_cache_is_loaded_again(store, raw, redis_prefix):
+    await store.put(make_token_entry("flushed", "c-1"))
+    raw.script_flush()
+    await store.put(make_token_entry("flushed", "c-2"))
+    assert len((await store.freeze("flushed")).entries) == 2

@@ -3,8 +3,8 @@
 An operation is two pure steps: ``reads(key)``, the commands sent with WATCH in one round
 trip, and ``decide(key, replies)``, the Plan made of their replies (writes to commit, then a
 result or an error). Nothing here talks to Redis; ``transports.redis.watch.attempt`` runs
-one operation as a transaction and the store retries it when it loses the race. A put, the
-one operation with a cache of its own, is in ``transports.redis.put``.
+one operation as a transaction and the store retries it when it loses the race. A put is a
+server-side script instead (``transports.redis.put``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,102 @@
-"""How a put decides: the rollout's state and the blocks it lacks, read under WATCH.
+"""How a put decides and writes: one server-side script, usually one round trip.
 
-A put sends only the blocks the hash does not hold yet. In the WATCH round trip it asks
-about each block it does not know to be held (HEXISTS downloads nothing) and for the tail
-the first of them may extend. What this process wrote before is remembered per rollout
-together with the hash's epoch, a random field set by the first put and gone with the hash:
-a memory of a hash that was deleted and made anew is noticed by its epoch and dropped.
+The script (``PUT_SCRIPT``) reads the rollout's state and writes the entry atomically, so a
+put needs no WATCH and never loses a race: a frozen rollout refuses it; the same payload
+again is a no-op; a different payload for the same call marks the rollout incomplete; else
+the entry is written with the blocks the hash lacks. Blocks are content-addressed, and a
+put sends only those it does not know to be held: what this process wrote before is
+remembered per rollout with the hash's epoch (a random field set by the first put and gone
+with the hash), and the script refuses a put planned on an epoch that is no longer there.
+
+A block is sent with its stored bytes, or by name only when this process cannot tell
+whether the hash holds it (a long prompt first seen here, say written by another front
+end). A block the script finds missing without its bytes, or sent as an extension of a tail
+the hash no longer holds, makes the script write nothing and answer what it lacks; the put
+then plans again from that answer (``Put.replan``). Usually a put knows its rollout and
+takes one round trip; the first put of a long rollout in this process takes two.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from capture.codec.blocks import parent_of
 from capture.codec.entries import EncodedEntry
-from capture.errors import ConflictingEntryError, RolloutFrozenError
 from capture.reasons import CONFLICTING_PAYLOAD
 from transports.redis import keys as k
 from transports.redis.durability import Durability
-from transports.redis.plans import Command, Plan, mark_lost, next_version
+
+# Sending bytes the hash may hold costs less than a round trip up to about this much; an
+# unknown rollout's longer entry is asked about by name first.
+BLIND_SEND_BYTES = 32 * 1024
+_KNOWN_TAILS = 8  # tails remembered per rollout: a retry or fork may extend an older one
+
+# KEYS[1]: the rollout hash. ARGV: call id, payload digest, body, epoch for a new hash,
+# epoch the put was planned on ("" if none), touch ("1": rewrite the epoch when the payload
+# is already stored, so the durability wait that follows covers the earlier write), the
+# conflict reason, then 5 per block: name, parent name, tail it extends ("" if whole), its
+# stored bytes ("" if not sent), the tail it sets under its parent ("" if none).
+# Lua's false is a missing field. Writes go in chunks: unpack() has a stack limit.
+PUT_SCRIPT = """
+local key = KEYS[1]
+local call, digest, body, fresh, planned, touch, reason =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+local state = redis.call('HMGET', key, 'version', 'frozen', 'd:' .. call, 'epoch')
+local version, frozen, stored, epoch = state[1], state[2], state[3], state[4]
+if frozen == '1' then return {'frozen'} end
+if planned ~= '' and epoch ~= planned then return {'stale'} end
+if stored == digest then
+  if touch == '1' then redis.call('HSET', key, 'epoch', epoch) end
+  return {'same', epoch}
+end
+local nextv = (tonumber(version) or 0) + 1
+if stored then
+  redis.call('HSET', key, 'incomplete', 1, 'm:' .. call, reason, 'version', nextv)
+  return {'conflict'}
+end
+local writes, lacking = {}, {}
+for i = 8, #ARGV, 5 do
+  local name, parent, extends, value, tail = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+  if redis.call('HEXISTS', key, 'b:' .. name) == 0 then
+    local held = ''
+    if value == '' or extends ~= '' then held = redis.call('HGET', key, 't:' .. parent) or '' end
+    if value == '' or (extends ~= '' and held ~= extends) then
+      lacking[#lacking + 1] = name
+      lacking[#lacking + 1] = held
+    else
+      writes[#writes + 1] = 'b:' .. name
+      writes[#writes + 1] = value
+      if tail ~= '' then
+        writes[#writes + 1] = 't:' .. parent
+        writes[#writes + 1] = tail
+      end
+    end
+  end
+end
+if #lacking > 0 then
+  return {'lacking', epoch or '', unpack(lacking)}
+end
+epoch = epoch or fresh
+redis.call('HSET', key, 'version', nextv, 'e:' .. call, body, 'd:' .. call, digest, 'epoch', epoch)
+for i = 1, #writes, 1000 do
+  redis.call('HSET', key, unpack(writes, i, math.min(i + 999, #writes)))
+end
+return {'stored', epoch}
+"""
+PUT_SHA = hashlib.sha1(PUT_SCRIPT.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
 class Known:
-    """Block names a rollout's hash holds, as long as its epoch is still ``epoch``."""
+    """Block names a rollout's hash holds, and tails it was seen to hold, under ``epoch``."""
 
     epoch: bytes
     names: frozenset[str]
+    tails: dict[str, bytes] = field(default_factory=dict)  # parent name -> tail value
 
 
 class KnownBlocks:
@@ -52,114 +120,95 @@ class KnownBlocks:
 
 
 @dataclass(frozen=True)
-class PutState:
-    """What the WATCH round trip of a put answered."""
-
-    version: bytes | None
-    frozen: bool
-    digest: bytes | None  # of the payload stored for this call, if any
-    epoch: bytes | None
-    tail: bytes | None  # the tail stored under the asked parent
-    held: frozenset[str]  # the asked blocks the hash holds
-
-    @classmethod
-    def read(cls, asked: tuple[str, ...], replies: list[Any]) -> PutState:
-        (version, frozen, digest, epoch, tail), present = replies[0], replies[1:]
-        held = frozenset(name for name, there in zip(asked, present, strict=True) if there)
-        return cls(version, frozen == b"1", digest, epoch, tail, held)
-
-
-@dataclass(frozen=True)
 class Put:
-    """One put as an operation (``transports.redis.plans.Operation``).
+    """One attempt at a put: the script's arguments, planned on what this process knows.
 
-    Its result is the new ``Known`` of the rollout, or None when what this process knew
-    turned out stale: nothing was decided, and the put must ask again without it.
+    ``known`` is what the plan assumed held (its epoch is checked by the script); blocks not
+    in it are sent, with bytes or, when ``blind`` is off and nothing is known, by name.
     """
 
-    rollout_id: str
     entry: EncodedEntry
     known: Known | None
-    asked: tuple[str, ...]  # blocks not known to be held
-    tail_parent: str  # the block whose tail the first asked block may extend
-    durability: Callable[[], Durability]  # the latest proof, read when deciding
+    blocks: tuple[Any, ...]  # 5 script arguments per block sent
+    tails: dict[str, bytes]  # the tails planned on, and those this put sets
+    by_name: frozenset[str] = frozenset()  # blocks sent without their bytes
 
     @classmethod
-    def of(
-        cls,
-        rollout_id: str,
-        entry: EncodedEntry,
-        known: Known | None,
-        durability: Callable[[], Durability],
-    ) -> Put:
+    def plan(cls, entry: EncodedEntry, known: Known | None) -> Put:
+        """Send what ``known`` does not hold; an unknown long entry goes by name first."""
+        if known is None and sum(len(block.data) for block in entry.chain) > BLIND_SEND_BYTES:
+            blocks = [(b.name, b.parent.hex(), b"", b"", b"") for b in entry.chain]
+            names = frozenset(entry.block_names)
+            return cls(entry, None, _flat(blocks), {}, names)
+        return cls._with_bytes(entry, known)
+
+    @classmethod
+    def _with_bytes(cls, entry: EncodedEntry, known: Known | None) -> Put:
         held = known.names if known else frozenset()
-        asked = tuple(name for name in entry.block_names if name not in held)
-        return cls(rollout_id, entry, known, asked, entry.tail_parent(held), durability)
-
-    def reads(self, key: str) -> list[Command]:
-        call_id = self.entry.model_call_id
-        state = (
-            "HMGET",
-            key,
-            k.VERSION,
-            k.FROZEN,
-            k.field(k.DIGEST, call_id),
-            k.EPOCH,
-            k.field(k.TAIL, self.tail_parent),
-        )
-        return [state, *(("HEXISTS", key, k.field(k.BLOCK, name)) for name in self.asked)]
-
-    def decide(self, key: str, replies: list[Any]) -> Plan:
-        state = PutState.read(self.asked, replies)
-        if state.frozen:
-            return Plan(
-                error=RolloutFrozenError(
-                    f"rollout {self.rollout_id} is frozen; "
-                    f"call {self.entry.model_call_id} came too late"
-                )
-            )
-        if self.known and state.epoch != self.known.epoch:
-            return Plan(result=None)  # the hash was deleted and made anew since we wrote
-        epoch = state.epoch or uuid.uuid4().hex.encode()
-        names = frozenset(self.entry.block_names) | (self.known.names if self.known else set())
-        known = Known(epoch, names)
-        digest = self.entry.digest.encode()
-        if state.digest == digest:
-            # The same payload again. Its first write may have lost its connection before
-            # the durability wait answered, so where a wait proves durability, rewrite one
-            # unchanged field: waiting for that later write covers the earlier one.
-            touch = [("HSET", key, k.EPOCH, epoch)] if self.durability().wait else []
-            return Plan(writes=touch, result=known)
-        if state.digest is not None:
-            return self._conflict(key, state)
-        return Plan(writes=[self._store(key, state, epoch)], result=known)
-
-    def _conflict(self, key: str, state: PutState) -> Plan:
-        call_id = self.entry.model_call_id
-        return Plan(
-            writes=[mark_lost(key, call_id, CONFLICTING_PAYLOAD, state.version)],
-            error=ConflictingEntryError(
-                f"rollout {self.rollout_id}: call {call_id} was already stored with "
-                "a different payload; the rollout is now marked incomplete"
-            ),
-        )
-
-    def _store(self, key: str, state: PutState, epoch: bytes) -> Command:
-        """The entry, and only the blocks and tails the hash lacks (the codec decides)."""
-        held = state.held | (self.known.names if self.known else set())
-        writes = self.entry.plan(held, {self.tail_parent: state.tail} if state.tail else {})
-        fields: list[Any] = [
-            k.VERSION,
-            next_version(state.version),
-            k.field(k.ENTRY, self.entry.model_call_id),
-            self.entry.body,
-            k.field(k.DIGEST, self.entry.model_call_id),
-            self.entry.digest.encode(),
-            k.EPOCH,
-            epoch,
-        ]
+        tails = dict(known.tails) if known else {}
+        writes = entry.plan(held, tails)
+        sets = dict(writes.tails)  # parent -> the tail this put sets there
+        blocks = []
         for name, stored in writes.blocks:
-            fields += [k.field(k.BLOCK, name), stored]
-        for parent, value in writes.tails:
-            fields += [k.field(k.TAIL, parent), value]
-        return ("HSET", key, *fields)
+            parent = parent_of(stored)
+            extends = tails.get(parent, b"") if stored[:1] == b"x" else b""
+            blocks.append((name, parent, extends, stored, sets.get(parent, b"")))
+        tails.update(sets)
+        return cls(entry, known, _flat(blocks), tails)
+
+    def replan(self, reply: list[bytes]) -> Put:
+        """Plan again from a ``lacking`` reply: the blocks missing, the tails held now.
+
+        Nothing was written. Blocks sent by name and not reported missing are held; those
+        sent with their bytes are sent again (the script skips any held by then).
+        """
+        epoch, lacking = reply[1], reply[2:]
+        parents = {block.name: block.parent.hex() for block in self.entry.chain}
+        missing = {name.decode() for name in lacking[0::2]}
+        tails = dict(self.known.tails) if self.known else {}
+        for name, tail in zip(lacking[0::2], lacking[1::2], strict=True):
+            parent = parents[name.decode()]
+            if tail:
+                tails[parent] = tail
+            else:
+                tails.pop(parent, None)
+        held = self.by_name - missing
+        if self.known:
+            held |= self.known.names
+        known = Known(epoch, held, tails) if epoch else None
+        return Put._with_bytes(self.entry, known)
+
+    def learned(self, epoch: bytes) -> Known:
+        """What this process knows of the rollout once the entry is stored under ``epoch``."""
+        names = frozenset(self.entry.block_names)
+        if self.known is not None and self.known.epoch == epoch:
+            names |= self.known.names
+        tails = self.tails
+        if len(tails) > _KNOWN_TAILS:
+            tails = dict(list(tails.items())[-_KNOWN_TAILS:])
+        return Known(epoch, names, tails)
+
+    def args(self, durability: Durability) -> tuple[Any, ...]:
+        """The script's arguments. Where a wait proves durability, a put of a payload already
+        stored rewrites one unchanged field: its first write may have lost its connection
+        before the wait answered, and waiting for the later write covers the earlier one."""
+        entry = self.entry
+        head = (
+            entry.model_call_id,
+            entry.digest,
+            entry.body,
+            uuid.uuid4().hex,
+            self.known.epoch if self.known else b"",
+            b"1" if durability.wait else b"",
+            CONFLICTING_PAYLOAD,
+        )
+        return head + self.blocks
+
+
+def _flat(blocks: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    return tuple(item for block in blocks for item in block)
+
+
+# The script's field names must be the keys module's.
+assert (k.VERSION, k.FROZEN, k.EPOCH, k.INCOMPLETE) == ("version", "frozen", "epoch", "incomplete")
+assert (k.ENTRY, k.DIGEST, k.MARK, k.BLOCK, k.TAIL) == ("e:", "d:", "m:", "b:", "t:")

@@ -1,12 +1,14 @@
 """RedisTokenStore: the capture contract on Redis, one hash per rollout.
 
-Every state change runs as an optimistic transaction on the rollout's hash: WATCH, read what
-decides, MULTI ... EXEC; a refused EXEC means another writer changed the rollout first, so the
-decision is made again on fresh state (``transports.redis.watch.attempt``). What each change
-reads and decides is a pure operation in ``transports.redis.plans``, and for a put, which
-sends only the blocks the hash does not hold yet, in ``transports.redis.put``. Durability is
-proven before the first write, and every write waits for it where the server needs a wait
-(WAITAOF / WAIT).
+A put, the hot path, is one server-side script that decides and writes atomically, usually
+in one round trip, sending only the blocks the hash does not hold yet
+(``transports.redis.put``). Every other state change runs as an optimistic transaction on
+the rollout's hash: WATCH, read what decides, MULTI ... EXEC; a refused EXEC means another
+writer changed the rollout first, so the decision is made again on fresh state
+(``transports.redis.watch.attempt``); what each change reads and decides is a pure
+operation in ``transports.redis.plans``. A script's writes touch the hash, so a freeze
+watching it sees a put that lands in between. Durability is proven before the first write,
+and every write waits for it where the server needs a wait (WAITAOF / WAIT).
 
 The same class is the sink a model server writes through (``RedisTokenSink``) and the source
 a trainer freezes and drops through (``RedisTokenSource``).
@@ -25,7 +27,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, decode_entries, encode_entry
-from capture.errors import ConfigError, TokenCaptureError
+from capture.errors import (
+    ConfigError,
+    ConflictingEntryError,
+    RolloutFrozenError,
+    TokenCaptureError,
+)
 from capture.lineage import entry_with_key
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
@@ -43,8 +50,9 @@ from transports.redis.plans import (
     SweepOne,
     pairs,
 )
-from transports.redis.put import KnownBlocks, Put
+from transports.redis.put import PUT_SCRIPT, PUT_SHA, KnownBlocks, Put
 from transports.redis.records import snapshot_of, split, summary_of
+from transports.redis.scripts import run_script
 from transports.redis.watch import attempt, execute_raw
 
 T = TypeVar("T")
@@ -242,22 +250,51 @@ class RedisTokenStore:
     # -- sink ----------------------------------------------------------------------------
 
     async def put(self, entry: Any) -> None:
-        """Store one call's entry, durably; idempotent for the same payload."""
+        """Store one call's entry, durably; idempotent for the same payload.
+
+        One script decides and writes atomically (``transports.redis.put``); it is asked
+        again only when what this process knew of the rollout turned out stale or short.
+        """
         entry = TokenEntry.coerce(entry)
         encoded = encode_entry(entry, self._block_size, self._memo)
         rollout_id = entry.rollout_id
-        known = self._known.get(rollout_id)
-        stored = await self._transact(
-            rollout_id, Put.of(rollout_id, encoded, known, self._current_durability)
-        )
-        if stored is None:
-            # The hash was deleted and made anew since this process wrote to it: what it knew
-            # of the blocks there is void, so ask about every one of them.
-            self._known.forget(rollout_id)
-            stored = await self._transact(
-                rollout_id, Put.of(rollout_id, encoded, None, self._current_durability)
+        await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+        pool = self._client.connection_pool
+        attempt = Put.plan(encoded, self._known.get(rollout_id))
+        for _ in range(self._max_watch_retries):
+            reply, waited, proven = await self._retrying(
+                lambda attempt=attempt: run_script(
+                    pool, PUT_SCRIPT, PUT_SHA, key, attempt.args, self._current_durability
+                )
             )
-        self._known.remember(rollout_id, stored)
+            outcome = reply[0]
+            if outcome in (b"stored", b"same"):
+                if outcome == b"stored" or proven.wait:
+                    proven.verify(waited)
+                self._known.remember(rollout_id, attempt.learned(reply[1]))
+                return
+            if outcome == b"frozen":
+                raise RolloutFrozenError(
+                    f"rollout {rollout_id} is frozen; call {entry.model_call_id} came too late"
+                )
+            if outcome == b"conflict":
+                proven.verify(waited)
+                raise ConflictingEntryError(
+                    f"rollout {rollout_id}: call {entry.model_call_id} was already stored "
+                    "with a different payload; the rollout is now marked incomplete"
+                )
+            if outcome == b"stale":
+                # The hash was deleted and made anew since this process wrote to it: what it
+                # knew of the blocks there is void, so ask about every one of them.
+                self._known.forget(rollout_id)
+                attempt = Put.plan(encoded, None)
+            else:  # lacking: nothing was written; plan again from what the hash holds
+                attempt = attempt.replan(reply)
+        raise ContentionError(
+            f"rollout {rollout_id}: gave up after {self._max_watch_retries} attempts to put "
+            f"call {entry.model_call_id}"
+        )
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably note a lost call; allowed after freeze and drop (it advances the version)."""
