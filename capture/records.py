@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from capture.errors import SchemaVersionError
 
@@ -57,6 +64,12 @@ class TokenEntry(BaseModel):
         if not value:
             raise ValueError("model_call_id must not be empty")
         return value
+
+    @field_serializer("prompt_token_ids", "generation_token_ids")
+    def _ids_as_list(self, value: Any) -> list[int]:
+        # A decoded entry's ids may be read-only views of its chain's shared sequence
+        # (capture.codec.views); a dump always gives lists, as it did before.
+        return list(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> TokenEntry:

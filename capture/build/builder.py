@@ -35,6 +35,7 @@ from typing import Any
 from capture.build.final_answer import answer_signature
 from capture.build.projection import flat_ids_and_mask, project_chain
 from capture.build.segments import Segment, role_of, segments_of
+from capture.codec.views import shares_prefix
 from capture.errors import ConflictingEntryError
 from capture.lineage import FALLBACK_FIELD
 from capture.records import TokenEntry
@@ -111,11 +112,14 @@ class BuildResult:
 def _extends(prompt: list[int], parent: TokenEntry) -> bool:
     """Whether ``prompt`` starts with the parent's prompt + generation.
 
-    Cheap probes first (a sibling branch usually differs at its end); then list equality,
-    which is pointer comparison when the ids share objects, as a store's freeze hands them.
+    A store's freeze hands the calls of a chain as views of one shared sequence, and then
+    identity answers in O(1). Otherwise cheap probes first (a sibling branch usually differs
+    at its end); then list equality, pointer comparison when the ids share objects.
     """
     before = parent.prompt_token_ids
     generation = parent.generation_token_ids
+    if shares_prefix(prompt, before, generation):
+        return True
     start = len(before)
     end = start + len(generation)
     if end > len(prompt) or prompt[end - 1] != generation[-1] or prompt[start] != generation[0]:

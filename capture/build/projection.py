@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from capture.codec.views import as_list
 from capture.records import TokenEntry
 
 # Content part types whose ``text`` is what the model wrote (or, for input parts, was shown).
@@ -129,7 +130,8 @@ def project_call(entry: TokenEntry) -> list[dict[str, Any]]:
     """One call's output items with its token arrays back on the carrier item.
 
     The arrays are the entry's own lists (not copies): a 10,000-turn rollout would
-    otherwise hold every prompt twice.
+    otherwise hold every prompt twice. A decoded entry's views of its chain's shared
+    sequence become lists here, because the record is serialized (JSON, msgpack) later.
     """
     items, carrier = to_responses_items(entry.output_items, entry.token_item_index)
     if carrier is None or carrier >= len(items):
@@ -137,8 +139,8 @@ def project_call(entry: TokenEntry) -> list[dict[str, Any]]:
             items.append(_message_item("", "assistant"))
         carrier = len(items) - 1
     item = items[carrier]
-    item["prompt_token_ids"] = entry.prompt_token_ids
-    item["generation_token_ids"] = entry.generation_token_ids
+    item["prompt_token_ids"] = as_list(entry.prompt_token_ids)
+    item["generation_token_ids"] = as_list(entry.generation_token_ids)
     item["generation_log_probs"] = entry.generation_log_probs
     if entry.routed_experts is not None:
         item["routed_experts"] = entry.routed_experts

@@ -10,15 +10,13 @@ count of its blocks; ``EncodedEntry.plan`` tells a store which bytes it must add
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
 import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +35,7 @@ from capture.codec.blocks import (
     plan_writes,
     whole_block,
 )
+from capture.codec.views import IdView
 from capture.records import SCHEMA_VERSION, TokenEntry
 
 # 250 ids: a whole stored block (kind byte, 16-byte parent digest, 1,000 bytes of ids, and
@@ -219,88 +218,83 @@ def read_body(body: bytes) -> dict[str, Any]:
     return data
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Keep the collector out of a large decode, on the main thread only.
-
-    Millions of fresh list slots would trigger full collections that scan them all, for
-    nothing: these lists hold only ints and cannot form cycles. Afterwards they move
-    straight to the oldest generation (freeze, then unfreeze), so young-generation passes
-    do not walk them either. The collector is process-wide: from any other thread (a store
-    decoding in a worker thread while the event loop serves) it is left alone.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.unfreeze()
-        if collecting:
-            gc.enable()
-
-
 def decode_entries(
-    bodies: Iterable[bytes], blocks: Mapping[str, bytes], *, trusted: bool = False
+    bodies: Iterable[bytes],
+    blocks: Mapping[str, bytes],
+    *,
+    trusted: bool = False,
+    shared: bool = False,
 ) -> list[TokenEntry]:
     """Decode every entry of one snapshot, sharing the work between them; input order kept.
 
-    Shorter chains are decoded first, so each entry starts from the prefix its parent call
-    already assembled.
+    Shorter chains are decoded first, so each entry continues the sequence its parent call
+    already assembled: a chain's calls share one id list (see ``_assemble``). With
+    ``shared`` (and ``trusted``) the entries' ids are views of it (see ``decode_entry``).
     """
     bodies = list(bodies)
     order = sorted(range(len(bodies)), key=lambda i: read_body(bodies[i])["n_blocks"])
     cache: dict[Any, Any] = {}
     decoded: dict[int, TokenEntry] = {}
-    with _collector_paused():
-        for index in order:
-            decoded[index] = decode_entry(bodies[index], blocks, cache=cache, trusted=trusted)
+    for index in order:
+        decoded[index] = decode_entry(
+            bodies[index], blocks, cache=cache, trusted=trusted, shared=shared
+        )
     return [decoded[index] for index in range(len(bodies))]
+
+
+def _place(sequence: list[int], at: int, ids: list[int]) -> list[int]:
+    """``sequence`` with ``ids`` at ``at``: the same list when what it holds there agrees (it
+    is extended past its end), else a new one (a branch: the prefix is copied once)."""
+    held = len(sequence) - at
+    if held <= 0:
+        sequence.extend(ids)
+        return sequence
+    overlap = min(held, len(ids))
+    if sequence[at : at + overlap] == ids[:overlap]:
+        if len(ids) > overlap:
+            sequence.extend(ids[overlap:])
+        return sequence
+    branch = sequence[:at]
+    branch.extend(ids)
+    return branch
 
 
 def _assemble(
     tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any]
-) -> list[int]:
-    """The ids of the chain ending in ``tip``.
+) -> tuple[list[int], int]:
+    """A list whose first ``length`` ids are the chain ending in ``tip``, and ``length``.
 
-    The walk back from the tip stops at the longest prefix an earlier entry of this snapshot
-    already assembled (recorded at its tip's parent, a whole block), so a long rollout copies
-    one list per entry instead of walking and extending every block of every prompt.
+    Every block assembled is recorded with the list and the length it ends at, so the walk
+    back from a tip stops at the longest prefix an earlier entry of this snapshot already
+    assembled, and continues that same list: a chain's calls share one sequence, and each
+    entry costs the blocks it adds, not its whole prompt.
     """
     names: list[str] = []
     name = tip
-    start: list[int] = []
-    previous: str | None = None  # the last block already in ``start``
+    sequence: list[int] = []
+    length = 0
     while len(names) < count:
         known = cache.get(("seq", name))
         if known is not None:
-            assembled, length, depth = known
+            sequence, length, depth = known
             if depth + len(names) != count:
                 raise ValueError(f"block chain ending in {tip} does not have {count} blocks")
-            start, previous = assembled[:length], name
             break
         names.append(name)
         name = cached_parent(name, blocks, cache)
     else:
         if count and name != ROOT_NAME:
             raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
-    sequence = start
     depth = count - len(names)
     for name in reversed(names):
         ids = cache.get(("ids", name))
         if ids is None:
             ids = cache["ids", name] = unpack_ids(block_ids(name, blocks, cache))
-        if name == tip and previous is not None:
-            # Up to the tip's parent is a prefix later entries extend; the list is shared
-            # read-only, so it is recorded with its length rather than copied.
-            cache["seq", previous] = (sequence, len(sequence), depth)
-        sequence.extend(ids)
-        previous = name
+        sequence = _place(sequence, length, ids)
+        length += len(ids)
         depth += 1
-    return sequence
+        cache["seq", name] = (sequence, length, depth)
+    return sequence, length
 
 
 def decode_entry(
@@ -309,28 +303,32 @@ def decode_entry(
     *,
     cache: dict[Any, Any] | None = None,
     trusted: bool = False,
+    shared: bool = False,
 ) -> TokenEntry:
     """Rebuild an entry from its body and a lookup of the rollout's stored blocks.
 
     Entries of one rollout share most of their blocks: a ``cache`` shared across one snapshot
     resolves and unpacks each block once, and shares its id objects between entries.
     ``trusted`` skips re-validation for bodies this codec wrote after validating them, which
-    dominates freeze time on long rollouts.
+    dominates freeze time on long rollouts. ``shared`` (with ``trusted``) hands the id
+    fields as ``IdView``s of the sequence the entry's chain shares instead of lists of their
+    own: a long rollout's prompts then cost one sequence per chain, not one per call, and the
+    builder links calls by identity. Readers that promise plain lists leave it off.
     """
     data = read_body(body)
     cache = {} if cache is None else cache
-    sequence = _assemble(data["tip"], data["n_blocks"], blocks, cache)
+    sequence, length = _assemble(data["tip"], data["n_blocks"], blocks, cache)
     prompt_len, generated = data["prompt_len"], data["generated"]
-    if len(sequence) != prompt_len + generated:
+    if length != prompt_len + generated:
         raise ValueError(
-            f"stored sequence has {len(sequence)} ids but the entry says {prompt_len} + {generated}"
+            f"stored sequence has {length} ids but the entry says {prompt_len} + {generated}"
         )
-    fields = {
-        **data["fields"],
-        "prompt_token_ids": sequence[:prompt_len],
-        "generation_token_ids": sequence[prompt_len:],
-        "generation_log_probs": unpack_floats(data["log_probs"]),
-    }
+    prompt, generation = IdView(sequence, 0, prompt_len), IdView(sequence, prompt_len, length)
+    fields = {**data["fields"], "generation_log_probs": unpack_floats(data["log_probs"])}
+    if not (trusted and shared):
+        fields.update(prompt_token_ids=prompt.tolist(), generation_token_ids=generation.tolist())
+    else:
+        fields.update(prompt_token_ids=prompt, generation_token_ids=generation)
     if trusted and fields.get("schema_version", 1) <= SCHEMA_VERSION:
         return TokenEntry.model_construct(**fields)
     return TokenEntry.model_validate(fields)

@@ -21,6 +21,7 @@ from capture.codec.entries import (
 )
 from capture.records import TokenEntry
 from tests.support.codec import body_block_names, entry_digest, prompt_blocks
+from tests.support.rollouts import growing_rollout
 
 B = 8  # a small block size keeps the arithmetic readable
 
@@ -371,23 +372,17 @@ def test_snapshot_decoding_shares_prefixes_and_keeps_order() -> None:
     ]
 
 
-def test_the_collector_is_paused_on_the_main_thread_only():
-    """gc is process-wide: a decode in a serving process's worker thread leaves it alone."""
+def test_decoding_switches_no_process_wide_collector_setting(monkeypatch):
+    """gc is process-wide: a decode in a serving process must not pause or freeze it."""
     import gc
-    import threading
 
-    from capture.codec.entries import _collector_paused
+    from capture.codec.entries import decode_entries
 
-    seen: dict[str, bool] = {}
-
-    def in_worker() -> None:
-        with _collector_paused():
-            seen["worker"] = gc.isenabled()
-
-    thread = threading.Thread(target=in_worker)
-    thread.start()
-    thread.join()
-    with _collector_paused():
-        seen["main"] = gc.isenabled()
-    assert seen == {"worker": True, "main": False}
-    assert gc.isenabled()
+    touched: list[str] = []
+    for name in ("disable", "freeze", "unfreeze"):
+        monkeypatch.setattr(gc, name, lambda name=name: touched.append(name))
+    entries = growing_rollout("r", 5, system_tokens=300, generated_per_turn=20)
+    encoded = [encode_entry(entry, 64) for entry in entries]
+    blocks = dict(block for item in encoded for block in item.blocks)
+    decode_entries([item.body for item in encoded], blocks, trusted=True)
+    assert touched == []

@@ -1,0 +1,102 @@
+"""Read-only views of one shared id list: how a decoded snapshot hands out its prompts.
+
+Every call of a chain re-sends the history, so a snapshot's prompts are prefixes of one
+sequence. The codec assembles that sequence once per chain and gives each entry an
+``IdView`` of its range instead of a list of its own: a 1,000-turn rollout would otherwise
+hold every prompt again (about 250 M list slots). A view compares equal to a list with the
+same ids, slices to a list, and says by identity (``same_range_as``, ``shares_prefix``)
+what a list comparison would spend a pass over the prompt to learn.
+
+The shared list is only ever appended to past the end of every view over it, so a view's
+ids never change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+
+class IdView(Sequence[int]):
+    """The ids ``base[start:stop]`` of a shared list, without copying them."""
+
+    __slots__ = ("base", "start", "stop")
+
+    def __init__(self, base: list[int], start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= len(base):
+            raise ValueError(f"view [{start}:{stop}] is outside a list of {len(base)} ids")
+        self.base = base
+        self.start = start
+        self.stop = stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            first, last, step = index.indices(self.stop - self.start)
+            if step == 1:
+                return self.base[self.start + first : self.start + max(first, last)]
+            return self.tolist()[index]
+        size = self.stop - self.start
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError("IdView index out of range")
+        return self.base[self.start + index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IdView):
+            if self.same_range_as(other):
+                return True
+            return len(self) == len(other) and self.tolist() == other.tolist()
+        if isinstance(other, list):
+            return len(self) == len(other) and self.tolist() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which do not hash
+
+    def __repr__(self) -> str:
+        return f"IdView({self.tolist()!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy or a pickle carries its own ids, not the whole shared sequence.
+        return (list, (self.tolist(),))
+
+    def tolist(self) -> list[int]:
+        """The ids as a new list (one copy of this range only)."""
+        return self.base[self.start : self.stop]
+
+    def same_range_as(self, other: IdView) -> bool:
+        return self.base is other.base and self.start == other.start and self.stop == other.stop
+
+    def continued_by(self, other: IdView) -> bool:
+        """Whether ``other`` is the range right after this one in the same list."""
+        return self.base is other.base and self.stop == other.start
+
+
+def as_list(ids: Sequence[int]) -> list[int]:
+    """A list for a record (JSON, msgpack): a view's range copied, a list as it is."""
+    return ids.tolist() if isinstance(ids, IdView) else ids  # type: ignore[return-value]
+
+
+def shares_prefix(prompt: Sequence[int], before: Sequence[int], after: Sequence[int]) -> bool:
+    """True when ``prompt`` provably starts with ``before`` + ``after`` by identity: all three
+    are views of one list, ``before`` starts where ``prompt`` does and ``after`` follows it.
+    False means only "not known", never "different"."""
+    return (
+        isinstance(prompt, IdView)
+        and isinstance(before, IdView)
+        and isinstance(after, IdView)
+        and prompt.base is before.base
+        and before.continued_by(after)
+        and prompt.start == before.start
+        and after.stop <= prompt.stop
+    )
