@@ -40,23 +40,25 @@ _KNOWN_TAILS = 8  # tails remembered per rollout: a retry or fork may extend an 
 # is already stored, so the durability wait that follows covers the earlier write), the
 # conflict reason, then 5 per block: name, parent name, tail it extends ("" if whole), its
 # stored bytes ("" if not sent), the tail it sets under its parent ("" if none).
-# Lua's false is a missing field. Writes go in chunks: unpack() has a stack limit.
+# Lua's false is a missing field. Writes go in chunks: unpack() has a stack limit. The reply
+# is one word, with the epoch after "stored" and "same" (one string parses fastest), or the
+# list "lacking", epoch, then the name of each block missing and the tail under its parent.
 PUT_SCRIPT = """
 local key = KEYS[1]
 local call, digest, body, fresh, planned, touch, reason =
   ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local state = redis.call('HMGET', key, 'version', 'frozen', 'd:' .. call, 'epoch')
 local version, frozen, stored, epoch = state[1], state[2], state[3], state[4]
-if frozen == '1' then return {'frozen'} end
-if planned ~= '' and epoch ~= planned then return {'stale'} end
+if frozen == '1' then return 'frozen' end
+if planned ~= '' and epoch ~= planned then return 'stale' end
 if stored == digest then
   if touch == '1' then redis.call('HSET', key, 'epoch', epoch) end
-  return {'same', epoch}
+  return 'same ' .. epoch
 end
 local nextv = (tonumber(version) or 0) + 1
 if stored then
   redis.call('HSET', key, 'incomplete', 1, 'm:' .. call, reason, 'version', nextv)
-  return {'conflict'}
+  return 'conflict'
 end
 local writes, lacking = {}, {}
 for i = 8, #ARGV, 5 do
@@ -85,7 +87,7 @@ redis.call('HSET', key, 'version', nextv, 'e:' .. call, body, 'd:' .. call, dige
 for i = 1, #writes, 1000 do
   redis.call('HSET', key, unpack(writes, i, math.min(i + 999, #writes)))
 end
-return {'stored', epoch}
+return 'stored ' .. epoch
 """
 PUT_SHA = hashlib.sha1(PUT_SCRIPT.encode()).hexdigest()
 

@@ -268,11 +268,11 @@ class RedisTokenStore:
                     pool, PUT_SCRIPT, PUT_SHA, key, attempt.args, self._current_durability
                 )
             )
-            outcome = reply[0]
+            outcome, _, epoch = reply.partition(b" ") if type(reply) is bytes else (b"", b"", b"")
             if outcome in (b"stored", b"same"):
                 if outcome == b"stored" or proven.wait:
                     proven.verify(waited)
-                self._known.remember(rollout_id, attempt.learned(reply[1]))
+                self._known.remember(rollout_id, attempt.learned(epoch))
                 return
             if outcome == b"frozen":
                 raise RolloutFrozenError(
