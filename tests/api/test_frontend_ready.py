@@ -7,10 +7,13 @@ answers 503 naming what is not ready as host:port, never a password.
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import httpx
 
+from api.app import READY_TIMEOUT_S
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from tests.support.frontend import both_servers, engine_server, file_store_settings, front_end
@@ -65,3 +68,16 @@ def test_ready_follows_the_redis_sink(redis_server_factory, redis_prefix: str) -
     assert set(problems) == {"sink"}
     assert f"127.0.0.1:{server.port}" in problems["sink"]
     assert REDIS_PASSWORD not in response.text
+
+
+def test_an_upstream_that_never_answers_is_not_ready_within_the_timeout(tmp_path: Path) -> None:
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        upstream = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with front_end(file_store_settings(upstream, tmp_path / "captures")) as front:
+            started = time.monotonic()
+            response = httpx.get(front + "/ready", timeout=30)
+            took = time.monotonic() - started
+    assert response.status_code == 503 and set(response.json()["problems"]) == {"upstream"}
+    assert took < READY_TIMEOUT_S + 2, f"a probe waited {took:.1f} s"
