@@ -1,15 +1,23 @@
 """Prometheus metrics of the front end, served at ``/metrics``.
 
 Each app has its own registry, so several apps in one process (tests, embedded servers) do
-not collide; with several uvicorn workers each worker reports its own counts.
+not collide. Under ``tokcap serve --workers N`` a scrape reaches one worker, which alone
+knows only its own share; there PROMETHEUS_MULTIPROC_DIR is set (by ``tokcap serve``,
+before the workers start), prometheus_client keeps every count in files in that directory,
+and ``exposition()`` sums all workers' files (``MultiProcessCollector``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# prometheus_client reads it when first imported: it must be set before the worker starts.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -38,6 +46,8 @@ OUTCOMES = ("captured", "incomplete", "unrecorded", "uncaptured", "upstream_erro
 @dataclass
 class FrontEndMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    # The directory every worker's counts are summed from; None: this process's counts.
+    multiprocess_dir: str | None = field(default_factory=lambda: os.environ.get(MULTIPROC_ENV))
 
     def __post_init__(self) -> None:
         self.calls = Counter(
@@ -108,4 +118,9 @@ class FrontEndMetrics:
             self.put_seconds.observe(put_seconds)
 
     def exposition(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        # A fresh registry per scrape: the collector reads the files as they are now.
+        everyone = CollectorRegistry()
+        MultiProcessCollector(everyone, path=self.multiprocess_dir)
+        return generate_latest(everyone), CONTENT_TYPE_LATEST

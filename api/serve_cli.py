@@ -1,8 +1,15 @@
 """``tokcap serve``: run the front end with uvicorn (``python -m api.serve_cli`` works too).
 
 uvicorn starts its worker processes from an import string, so the settings travel to them
-through the environment (TOKCAP_CONFIG, TOKCAP_UPSTREAM), set only around ``uvicorn.run``;
-each worker builds its own app, sink and upstream client from the same config.
+through the environment (TOKCAP_CONFIG, TOKCAP_UPSTREAM), set only while they run; each
+worker builds its own app, sink and upstream client from the same config.
+
+It runs like a service: the sink proves itself (Redis durability) once here, before any
+worker starts, so a store that cannot keep its guarantee exits non-zero instead of N
+workers printing the refusal; and a worker that still fails its start-up makes the whole
+command exit non-zero (uvicorn's supervisor stops then, but returns normally). Several
+workers share their Prometheus counters through a fresh PROMETHEUS_MULTIPROC_DIR, removed
+at exit, so one ``/metrics`` scrape shows all of them.
 """
 
 from __future__ import annotations
@@ -11,27 +18,45 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
+from typing import Any
 
+from api.metrics import MULTIPROC_ENV
 from api.probe import probe
 from api.prompts.faithful import faithful_prompts
 from api.settings import ENV_CONFIG, ServerSettings, settings_from_environment
 from api.upstream import where
-from capture.errors import ConfigError
+from capture.errors import ConfigError, TokenCaptureError
+from capture.protocols import StartupCheck
+
+APP = "api.app:create_app_from_env"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="Gym-style YAML with model_server and token_id_capture")
+    parser.add_argument(
+        "--config",
+        help="Gym-style YAML with model_server and token_id_capture "
+        f"(default ${ENV_CONFIG}, else built-in defaults and TOKCAP_* variables)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8100, help="port to bind (default 8100)")
-    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
-    parser.add_argument("--upstream", help="engine URL; overrides model_server.upstream")
-    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="uvicorn worker processes (default 1)"
+    )
+    parser.add_argument(
+        "--upstream",
+        help="engine URL; overrides model_server.upstream (default $TOKCAP_UPSTREAM, else the "
+        "config's); credentials in it are never printed",
+    )
+    parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     parser.add_argument(
         "--skip-probe",
         action="store_true",
-        help="start without the engine probe (one short call that checks ids and log-probs)",
+        help="start without the engine probe (one short call that checks ids and log-probs; "
+        "default: probe)",
     )
     # uvicorn's event loop and HTTP parser; auto takes uvloop and httptools (uvicorn[standard]).
     parser.add_argument(
@@ -74,12 +99,17 @@ def exported(variables: dict[str, str]) -> Iterator[None]:
 
 
 def _checked_settings(variables: dict[str, str]) -> tuple[ServerSettings, str]:
-    """The settings and a word on capture; ConfigError on a bad config or sink (once, here)."""
+    """The settings and a word on capture; ConfigError on a bad config or sink (once, here).
+
+    The sink is built and, if it proves itself (``StartupCheck``: Redis durability and
+    reachability), started once here: every worker would refuse the same way, and uvicorn's
+    supervisor would print it N times and exit 0.
+    """
     settings = settings_from_environment({**os.environ, **variables})
     # Build the sink once (path, kwargs, structural checks); each worker builds its own.
     sink = settings.build_sink()
     if sink is not None:
-        asyncio.run(sink.close())
+        asyncio.run(_started_then_closed(sink))
     capture = "off"
     if settings.capture.enabled:
         capture = (
@@ -92,6 +122,55 @@ def _checked_settings(variables: dict[str, str]) -> tuple[ServerSettings, str]:
     return settings, capture
 
 
+async def _started_then_closed(sink: Any) -> None:
+    try:
+        if isinstance(sink, StartupCheck):
+            await sink.start()
+    finally:
+        await sink.close()
+
+
+@contextlib.contextmanager
+def metrics_directory(workers: int) -> Iterator[dict[str, str]]:
+    """A fresh PROMETHEUS_MULTIPROC_DIR for several workers (none for one), removed at exit.
+
+    Fresh, because prometheus_client sums every file it finds there: counts a previous run
+    left would be added to this one's.
+    """
+    if workers <= 1:
+        yield {}
+        return
+    path = tempfile.mkdtemp(prefix="tokcap-metrics-")
+    try:
+        yield {MULTIPROC_ENV: path}
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def serve(config: Any) -> int:
+    """Run uvicorn; 1 when a worker failed its start-up (uvicorn itself would return)."""
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    if config.workers <= 1:
+        server = uvicorn.Server(config)
+        server.run()  # a failed start-up exits with uvicorn's STARTUP_FAILURE itself
+        return 0 if server.started else 1
+    supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+    supervisor.run()
+    # A worker that failed start-up stops the supervisor, which then returns normally: its
+    # exit code, kept on the process it did not replace, is the only trace.
+    failed = [p.pid for p in supervisor.processes if p.exitcode == STARTUP_FAILURE]
+    if failed:
+        print(
+            f"tokcap serve: worker(s) {', '.join(map(str, failed))} failed to start; stopped",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -102,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # EngineRefused included: it names the setting to change
         print(f"tokcap serve: {exc}", file=sys.stderr)
         return 2
+    except (TokenCaptureError, OSError) as exc:  # a sink that cannot be reached, say
+        print(f"tokcap serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     engine = report.banner() if report is not None else f"upstream {where(settings.upstream)}"
     print(
         f"tokcap serve: http://{args.host}:{args.port} -> {engine} "
@@ -110,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
     )
     for warning in report.warnings if report is not None else ():
         print(f"tokcap serve: warning: {warning}", file=sys.stderr)
-    with exported(variables):
-        uvicorn.run(
-            "api.app:create_app_from_env",
+    with metrics_directory(args.workers) as metrics, exported({**variables, **metrics}):
+        config = uvicorn.Config(
+            APP,
             factory=True,
             host=args.host,
             port=args.port,
@@ -121,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             loop=args.loop,
             http=args.http,
         )
-    return 0
+        return serve(config)
 
 
 def main(argv: list[str] | None = None) -> int:

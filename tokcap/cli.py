@@ -1,7 +1,8 @@
 """The ``tokcap`` command: one subcommand per part, each defined beside the code it runs.
 
 Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``; this file
-only wires them, so adding a command never touches the others.
+only wires them, so adding a command never touches the others. Every option's help ends with
+its default (``DefaultsHelpFormatter``), so a help text written without one still says it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,24 @@ SUBCOMMANDS = {
 }
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter, minus its repetitions and its ``None``.
+
+    A help text that already names its default is left alone; a flag's default is "off";
+    an option without a default says "none". A default is the option's own value, never
+    an environment variable's: help texts name the variable (values may be secrets).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # a flag: store_true and the like
+            return f"{text} (default: off)" if action.default is False else text
+        value = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokcap",
@@ -28,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = commands.add_parser(
+            name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter
+        )
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

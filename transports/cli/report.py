@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -28,6 +29,7 @@ from rich.text import Text
 from capture.delivery import METRICS_KEY
 from capture.rollout_ids import rollout_id_from_run_body
 from capture.summary import SUMMARY_KEYS
+from transports.cli.redis_url import URL_ENV
 from transports.rebuild.results import decode_result
 from transports.redis.keys import DEFAULT_PREFIX, as_text, stream_names
 
@@ -441,7 +443,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.jsonl|-",
         help="finished records, one per line; - for stdin",
     )
-    parser.add_argument("--url", help="read the results stream of this Redis instead of a file")
+    parser.add_argument(
+        "--url",
+        help=f"read the results stream of this Redis instead of a file (default: with no FILE, "
+        f"${URL_ENV} if set; prefer the variable, an argument's password is visible to all)",
+    )
     parser.add_argument(
         "--key-prefix",
         default=DEFAULT_PREFIX,
@@ -451,18 +457,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream",
         help=f"results stream, if not named by the prefix (default {stream_names().results})",
     )
-    parser.add_argument("--png", metavar="PATH", help="also draw the histograms into this PNG")
+    parser.add_argument(
+        "--png", metavar="PATH", help="also draw the histograms into this PNG (default: none)"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
 def _records(args: argparse.Namespace) -> tuple[Iterator[dict[str, Any]], str]:
     """The records to report on, and what they came from."""
-    if (args.file is None) == (args.url is None):
-        raise BadInput("give a FILE (or - for stdin) or --url URL for the results stream")
+    if args.file is not None and args.url is not None:
+        raise BadInput("give a FILE (or - for stdin) or --url URL, not both")
     if args.file is not None:
         return read_jsonl(args.file), args.file
+    url = args.url or os.environ.get(URL_ENV)
+    if not url:
+        raise BadInput(
+            f"give a FILE (or - for stdin) or --url URL (or set {URL_ENV}) for the results stream"
+        )
     stream = args.stream or stream_names(args.key_prefix).results
-    return read_stream(args.url, stream), f"stream {stream}"
+    return read_stream(url, stream), f"stream {stream}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -476,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokcap report: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if not figures.rollouts:
-        hint = " (the trainer deletes the results it acknowledges)" if args.url else ""
+        hint = " (the trainer deletes the results it acknowledges)" if args.file is None else ""
         print(f"tokcap report: {source} holds no records{hint}", file=sys.stderr)
         return 2
     if args.png:

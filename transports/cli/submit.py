@@ -8,22 +8,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from typing import Any
 
 from capture.rollout_ids import rollout_id_from_run_body
+from transports.cli.redis_url import MissingUrlError, add_url_argument, redis_url
 from transports.rebuild.jobs import RebuildQueue
 from transports.redis.keys import DEFAULT_PREFIX, stream_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.json|-", help="record(s) to submit; - for stdin")
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="Redis URL (default $TOKCAP_REDIS_URL or %(default)s)",
-    )
+    add_url_argument(parser)
     parser.add_argument(
         "--key-prefix",
         default=DEFAULT_PREFIX,
@@ -55,6 +51,11 @@ async def _submit(url: str, stream: str, records: list[dict[str, Any]]) -> list[
 
 def run(args: argparse.Namespace) -> int:
     try:
+        url = redis_url(args.url)
+    except MissingUrlError as exc:
+        print(f"tokcap submit: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.file == "-":
             text = sys.stdin.read()
         else:
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stream = args.stream or stream_names(args.key_prefix).jobs
     try:
-        job_ids = asyncio.run(_submit(args.url, stream, records))
+        job_ids = asyncio.run(_submit(url, stream, records))
     except ValueError as exc:
         print(f"tokcap submit: {exc}", file=sys.stderr)
         return 2

@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Callable
 
+from transports.cli.redis_url import add_url_argument, redis_url
 from transports.rebuild.worker import RebuildWorker, WorkerSettings, run_worker
-
-DEFAULT_URL = os.environ.get("TOKCAP_REDIS_URL", "redis://127.0.0.1:6379/0")
-
 
 # Flags that set one WorkerSettings field each, in --help order, with what the field means;
 # the flag is the field's name with dashes, and its type and default are the field's.
@@ -33,11 +30,7 @@ SETTING_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = WorkerSettings(consumer="-")
-    parser.add_argument(
-        "--url",
-        default=DEFAULT_URL,
-        help="Redis URL (rediss:// for TLS; default $TOKCAP_REDIS_URL or %(default)s)",
-    )
+    add_url_argument(parser)
     for name, meaning in SETTING_FLAGS.items():
         default = getattr(defaults, name)
         parser.add_argument(
@@ -58,13 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="F",
-        help="mask a rollout that delivers less than this share of what it sampled",
+        help="mask a rollout that delivers less than this share of what it sampled "
+        "(default: none, no such mask)",
     )
     parser.add_argument(
         "--consumer", default=None, help="this worker's name in the group (default <host>-<pid>)"
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default %(default)s)",
     )
 
 
@@ -74,7 +71,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     chosen["min_delivered_fraction"] = args.min_delivered_fraction
     if args.consumer:  # otherwise the settings name it <host>-<pid>
         chosen["consumer"] = args.consumer
-    return WorkerSettings(url=args.url, **chosen)
+    return WorkerSettings(url=redis_url(args.url), **chosen)
 
 
 def run(

@@ -1,0 +1,36 @@
+"""Which Redis a command talks to: ``--url`` or TOKCAP_REDIS_URL, and never a guess.
+
+A command that silently fell back to ``redis://127.0.0.1:6379/0`` would queue jobs or
+rebuild rollouts on whatever Redis happens to run there. The URL carries the password, so
+help texts name the variable instead of showing its value, and the README passes it
+through the environment: an argument is readable by anyone in ``/proc/PID/cmdline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+URL_ENV = "TOKCAP_REDIS_URL"
+
+
+class MissingUrlError(ValueError):
+    """Neither --url nor TOKCAP_REDIS_URL names a Redis."""
+
+
+def add_url_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--url",
+        default=None,
+        help=f"Redis URL, rediss:// for TLS (default ${URL_ENV}; prefer the variable: an "
+        "argument's password is visible to every local user)",
+    )
+
+
+def redis_url(given: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """``--url`` if given, else TOKCAP_REDIS_URL; MissingUrlError names both."""
+    url = given or (os.environ if environ is None else environ).get(URL_ENV)
+    if not url:
+        raise MissingUrlError(f"give --url URL or set {URL_ENV}: no Redis is assumed")
+    return url
