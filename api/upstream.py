@@ -6,7 +6,8 @@ engine's answers at the first call), and its reply is read and checked by that a
 anything is captured. Around the adapter the client handles what every engine shares:
 
 - the base URL may end in ``/v1`` or not; ``upstream_api_key`` goes out as
-  ``Authorization: Bearer`` and never into a message or a log line;
+  ``Authorization: Bearer`` and never into a message or a log line; a user and password in
+  the URL go out as basic auth, and messages show the upstream as host:port only;
 - ``max_tokens`` is lowered to the room the context window leaves: at once when it alone
   exceeds ``max_model_len`` (from ``GET /v1/models``), and when the engine refuses a prompt
   plus ``max_tokens`` as too long, once more with the room its error names. The clamp is
@@ -21,7 +22,7 @@ import logging
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
@@ -54,6 +55,20 @@ def where(url: str) -> str:
     host = parts.hostname or "?"
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}"
+
+
+def without_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """``url`` without its user and password, and those as basic auth (None without).
+
+    httpx logs every request's URL (``HTTP Request: POST http://user:pass@...``, at INFO),
+    so credentials ride in the auth header instead of in the URL the client is built on.
+    """
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2])
+    auth = httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
+    return urlunsplit(bare), auth
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -108,7 +123,8 @@ class UpstreamClient:
             raise ValueError(f"vocab_size must be a positive integer or None, not {vocab_size}")
         if engine != "auto" and engine not in ADAPTERS:
             raise ValueError(f"engine must be auto, {' or '.join(ADAPTERS)}; not {engine!r}")
-        self.base_url = re.sub(r"/v1/?$", "", base_url.rstrip("/"))
+        bare_url, basic_auth = without_credentials(base_url)
+        self.base_url = re.sub(r"/v1/?$", "", bare_url.rstrip("/"))
         self.where = where(self.base_url)
         self.model = model
         self.sampling_overrides = dict(sampling_overrides or {})
@@ -117,6 +133,8 @@ class UpstreamClient:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
+            # A key wins over the URL's user and password, as it goes out as a header.
+            auth=None if api_key else basic_auth,
             headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(
