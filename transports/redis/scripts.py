@@ -5,10 +5,16 @@ follows the script on the same connection, in the same round trip. Scripts are c
 their SHA1; a server that does not hold one yet (just started, or flushed) answers
 NOSCRIPT, and the call is made again with the script's text, which the server then keeps.
 A connection that saw any other error is closed, never handed back half-read.
+
+Calls made while the event loop runs other work (many rollouts' puts in one process) go
+together (``ScriptBatch``): one connection, one write, one wait after the last script, as
+ioredis's auto-pipelining does. Each script is still atomic on its own; the batch saves the
+pool, a system call and a loop wake-up per call, and one wait covers every write before it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,34 +51,90 @@ async def _send(connection: Any, commands: Sequence[Sequence[Any]]) -> list[Any]
     return replies
 
 
-async def run_script(
-    pool: ConnectionPool,
-    script: str,
-    sha: str,
-    key: str,
-    args: Callable[[Durability], Sequence[Any]],
-    durability: Callable[[], Durability],
-) -> tuple[Any, list[Any], Durability]:
-    """Run ``script`` on ``key``, then the wait: (script reply, wait replies, guarantee).
+class ScriptBatch:
+    """Runs one script on many keys; calls made in the same loop turn share a round trip."""
 
-    ``durability`` is asked once the connection is taken (a connection that opened for this
-    call has just proven its server's own), and ``args`` are made for that guarantee. The
-    caller decides from the script's reply whether anything was written, and so whether the
-    wait replies must be verified.
-    """
-    connection = await pool.get_connection()
-    try:
-        proven = durability()
-        values = args(proven)
-        replies = await _send(connection, [("EVALSHA", sha, 1, key, *values), *proven.wait])
-        if isinstance(replies[0], NoScriptError):
-            replies = await _send(connection, [("EVAL", script, 1, key, *values), *proven.wait])
-        for reply in replies:
-            if isinstance(reply, ResponseError):
-                raise reply
-        return replies[0], replies[1:], proven
-    except BaseException:
-        await connection.disconnect()
-        raise
-    finally:
-        await pool.release(connection)
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        script: str,
+        sha: str,
+        durability: Callable[[], Durability],
+    ) -> None:
+        self._pool = pool
+        self._script = script
+        self._sha = sha
+        self._durability = durability
+        self._pending: list[tuple[str, Callable[[Durability], Sequence[Any]], Any]] = []
+        self._sending: set[asyncio.Task[None]] = set()  # kept so they are not collected
+
+    def run(
+        self, key: str, args: Callable[[Durability], Sequence[Any]]
+    ) -> asyncio.Future[tuple[Any, list[Any], Durability]]:
+        """(script reply, wait replies, guarantee), once the batch is back.
+
+        The guarantee is asked once the connection is taken (a connection that opened for
+        this batch has just proven its server's own), and ``args`` are made for it. The
+        caller decides from the script's reply whether anything was written, and so whether
+        the wait replies must be verified.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((key, args, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[tuple[str, Any, Any]]) -> None:
+        futures = [future for _, _, future in batch]
+        try:
+            connection = await self._pool.get_connection()
+        except BaseException as error:
+            _fail(futures, error)
+            return
+        try:
+            proven = self._durability()
+            keys = [key for key, _, _ in batch]
+            values = [args(proven) for _, args, _ in batch]
+            count = len(batch)
+            calls = [
+                ("EVALSHA", self._sha, 1, key, *v) for key, v in zip(keys, values, strict=True)
+            ]
+            replies = await _send(connection, [*calls, *proven.wait])
+            unknown = [n for n in range(count) if isinstance(replies[n], NoScriptError)]
+            waited = replies[count:]
+            if unknown:
+                evals = [("EVAL", self._script, 1, keys[n], *values[n]) for n in unknown]
+                again = await _send(connection, [*evals, *proven.wait])
+                for n, reply in zip(unknown, again, strict=False):
+                    replies[n] = reply
+                waited = again[len(unknown) :]
+            for reply in waited:
+                if isinstance(reply, ResponseError):
+                    raise reply
+            for future, reply in zip(futures, replies, strict=False):
+                if future.done():
+                    continue  # its caller gave up waiting
+                if isinstance(reply, ResponseError):
+                    future.set_exception(reply)
+                else:
+                    future.set_result((reply, waited, proven))
+        except BaseException as error:
+            await connection.disconnect()
+            _fail(futures, error)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+        finally:
+            await self._pool.release(connection)
+
+
+def _fail(futures: list[Any], error: BaseException) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(error)

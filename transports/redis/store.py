@@ -52,7 +52,7 @@ from transports.redis.plans import (
 )
 from transports.redis.put import PUT_SCRIPT, PUT_SHA, KnownBlocks, Put
 from transports.redis.records import snapshot_of, split, summary_of
-from transports.redis.scripts import run_script
+from transports.redis.scripts import ScriptBatch
 from transports.redis.watch import attempt, execute_raw
 
 T = TypeVar("T")
@@ -139,6 +139,7 @@ class RedisTokenStore:
         self._closed = False
         # Saves asking about blocks this process already wrote (see transports.redis.put).
         self._known = KnownBlocks(_KNOWN_ROLLOUTS)
+        self._puts: ScriptBatch | None = None  # puts ready at once share a round trip
 
     # -- connection and start-up ---------------------------------------------------------
 
@@ -260,13 +261,14 @@ class RedisTokenStore:
         rollout_id = entry.rollout_id
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        pool = self._client.connection_pool
+        if self._puts is None:
+            pool = self._client.connection_pool
+            self._puts = ScriptBatch(pool, PUT_SCRIPT, PUT_SHA, self._current_durability)
+        puts = self._puts
         attempt = Put.plan(encoded, self._known.get(rollout_id))
         for _ in range(self._max_watch_retries):
             reply, waited, proven = await self._retrying(
-                lambda attempt=attempt: run_script(
-                    pool, PUT_SCRIPT, PUT_SHA, key, attempt.args, self._current_durability
-                )
+                lambda attempt=attempt: puts.run(key, attempt.args)
             )
             outcome, _, epoch = reply.partition(b" ") if type(reply) is bytes else (b"", b"", b"")
             if outcome in (b"stored", b"same"):
