@@ -13,6 +13,14 @@ absolute times on a shared machine drift:
 - freeze + rebuild vs the decode floor (unpack the final context once, one list per call's
   prompt: the least any reader must do to hand the builder its entries).
 
+``--compare TREE`` (say a ``git worktree add /tmp/base HEAD`` made before a change) measures
+the issue-13 figures of this tree and of ``TREE`` in the same run, each in fresh child
+processes that import their own tree's ``capture``: CPU per put (``time.process_time``) over
+all puts and over the last 10% (the longest contexts), freeze + rebuild time and the peak RSS
+of a process that only opens the store, freezes and rebuilds; then the growth exponent of
+time and memory between the shortest and the longest rollout (log ratio of the figure / log
+ratio of the final context).
+
 Another store gets a column by adding a ``StoreKind`` to ``STORE_KINDS`` (say, Redis: an
 ``open`` that connects to a scratch server and a ``stored_bytes`` that sums MEMORY USAGE of
 the rollout's key), or by calling ``bench_store(kind, turns)`` from another script.
@@ -22,13 +30,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +61,8 @@ FINAL_ANSWER = {
     "content": [{"type": "output_text", "text": "All tests pass.", "annotations": []}],
 }
 TARGETS = {"put_p50_ms": 2.0, "bytes_ratio": 1.5, "rebuild_ms": {50: 50.0, 200: 200.0}}
+# Issue 13: freeze + rebuild time (ms) and peak RSS (MB) by turns; CPU per put (ms).
+TARGETS_13 = {"rebuild_ms": {200: 100.0, 1000: 500.0}, "rss_mb": {1000: 150.0}, "put_cpu_ms": 0.25}
 
 
 @dataclass(frozen=True)
@@ -255,12 +269,168 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--stores", nargs="+", default=list(STORE_KINDS), choices=list(STORE_KINDS))
     parser.add_argument("--repeat", type=int, default=5, help="freeze+rebuild repetitions")
+    parser.add_argument("--compare", help="a baseline source tree: issue-13 figures of both")
+    parser.add_argument("--child", choices=("put", "rebuild"), help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        return await child_main(args)
+    if args.compare:
+        return compare_main(args)
     rows = []
     for name in args.stores:
         for turns in args.turns:
             rows.append(await bench_store(STORE_KINDS[name], turns, args.repeat))
     print_table(rows)
+    return 0
+
+
+def lazy_rollout(rollout_id: str, turns: int, seed: int = 0) -> Iterator[TokenEntry]:
+    """``synthetic_rollout`` one entry at a time (the same draws, hence the same ids), so a
+    1,000-turn rollout is never held whole: that alone would be every prompt, 2 GB."""
+    import random
+
+    rng = random.Random(f"{seed}-{rollout_id}")
+    context = [rng.randrange(VOCAB) for _ in range(SYSTEM_TOKENS)]
+    for turn in range(turns):
+        generation = [rng.randrange(VOCAB) for _ in range(GENERATED_PER_TURN)]
+        log_probs = [-rng.random() * 5 for _ in range(GENERATED_PER_TURN)]
+        last = turn == turns - 1
+        item = FINAL_ANSWER if last else {}
+        if not last:
+            item = {"type": "function_call", "name": "bash", "call_id": f"t{turn}"}
+            item["arguments"] = "{}"
+        yield TokenEntry(
+            rollout_id=rollout_id,
+            model_call_id=f"turn-{turn:05d}",
+            model="test-policy",
+            prompt_token_ids=list(context),
+            generation_token_ids=generation,
+            generation_log_probs=log_probs,
+            output_items=[item],
+            token_item_index=0,
+            created_at=1_700_000_000.0 + turn,
+        )
+        context += generation + [rng.randrange(VOCAB) for _ in range(TOOL_PER_TURN)]
+
+
+async def child_put(directory: Path, turns: int) -> dict[str, Any]:
+    """CPU per put of this tree's file store, writing a rollout for ``child_rebuild``."""
+    store = TokenCaptureStore(directory)
+    cpu_ms = []
+    try:
+        for entry in lazy_rollout("r", turns):
+            await store.begin_call("r", entry.model_call_id)
+            start = time.process_time()
+            await store.put(entry)
+            cpu_ms.append((time.process_time() - start) * 1000)
+    finally:
+        await store.close()
+    tail = cpu_ms[-max(1, len(cpu_ms) // 10) :]
+    return {"put_cpu_p50_ms": statistics.median(cpu_ms), "put_cpu_tail_ms": statistics.median(tail)}
+
+
+async def child_rebuild(directory: Path, turns: int, repeat: int) -> dict[str, Any]:
+    """Freeze + rebuild of the stored rollout in a process that does nothing else."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    times = []
+    for _ in range(repeat):
+        store = TokenCaptureStore(directory)
+        try:
+            start = time.perf_counter()
+            snapshot = await store.freeze("r")
+            build = run_builder(snapshot, final_answer=[FINAL_ANSWER])
+            times.append((time.perf_counter() - start) * 1000)
+        finally:
+            await store.close()
+        if build.masked or len(build.main_chain) != turns:
+            raise RuntimeError(f"rebuild went wrong: {build.mask_reasons}")
+        del snapshot, build
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"rebuild_ms": statistics.median(times), "rss_mb": peak, "rss_start_mb": before}
+
+
+def _run_child(tree: Path, args: list[str]) -> dict[str, Any]:
+    """This script in a fresh process importing ``tree``'s code (ahead of the editable
+    install), so a baseline tree and this one are measured the same way."""
+    boot = (
+        "import runpy, sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    command = [sys.executable, "-c", boot, str(tree), __file__, *args]
+    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"child {args} in {tree} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_tree(tree: Path, turns: int, repeat: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tokcap-13-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        where = ["--dir", str(Path(tmp) / "captures"), "--turns", str(turns)]
+        figures = _run_child(tree, ["--child", "put", *where])
+        figures |= _run_child(tree, ["--child", "rebuild", *where, "--repeat", str(repeat)])
+    return figures | {"context": SYSTEM_TOKENS + turns * (GENERATED_PER_TURN + TOOL_PER_TURN)}
+
+
+def _exponent(rows: dict[int, dict[str, Any]], key: str) -> float:
+    low, high = rows[min(rows)], rows[max(rows)]
+    return math.log(high[key] / low[key]) / math.log(high["context"] / low["context"])
+
+
+def print_comparison(results: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """Each figure of the baseline tree and of this one, side by side, with the targets."""
+    names = list(results)
+    keys = ("put_cpu_p50_ms", "put_cpu_tail_ms", "rebuild_ms", "rss_mb")
+    print(f"{'turns':>5} {'ctx':>7} | " + " | ".join(f"{k:>22}" for k in keys))
+    print(f"{'':>13} | " + " | ".join(f"{names[0]:>10} {names[-1]:>11}" for _ in keys))
+    for turns in results[names[-1]]:
+        before, after = results[names[0]][turns], results[names[-1]][turns]
+        cells = [f"{before[k]:>10.2f} {after[k]:>11.2f}" for k in keys]
+        print(f"{turns:>5} {after['context']:>7} | " + " | ".join(cells))
+    for name, rows in results.items():
+        if len(rows) > 1:
+            print(
+                f"{name}: growth exponent {min(rows)}->{max(rows)} turns: time "
+                f"{_exponent(rows, 'rebuild_ms'):.2f}, peak RSS {_exponent(rows, 'rss_mb'):.2f}"
+            )
+    rows = results[names[-1]]
+    for turns, figures in rows.items():
+        checks = [
+            f"put CPU tail {figures['put_cpu_tail_ms']:.3f} ms (<= {TARGETS_13['put_cpu_ms']})"
+        ]
+        if turns in TARGETS_13["rebuild_ms"]:
+            checks.append(
+                f"rebuild {figures['rebuild_ms']:.0f} ms (<= {TARGETS_13['rebuild_ms'][turns]:.0f})"
+            )
+        if turns in TARGETS_13["rss_mb"]:
+            checks.append(
+                f"peak RSS {figures['rss_mb']:.0f} MB (<= {TARGETS_13['rss_mb'][turns]:.0f})"
+            )
+        print(f"{names[-1]} @ {turns} turns: " + "; ".join(checks))
+    if 200 in rows and 1000 in rows:
+        ratio = rows[1000]["rebuild_ms"] / rows[200]["rebuild_ms"]
+        limit = rows[1000]["context"] / rows[200]["context"]
+        print(f"{names[-1]}: rebuild 1000/200 = {ratio:.1f} (<= context ratio {limit:.1f})")
+
+
+async def child_main(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    if args.child == "put":
+        figures = await child_put(directory, args.turns[0])
+    else:
+        figures = await child_rebuild(directory, args.turns[0], args.repeat)
+    print(json.dumps(figures))
+    return 0
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    trees = {"baseline": Path(args.compare), "this": Path(__file__).resolve().parents[1]}
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in trees}
+    for turns in args.turns:
+        for name, tree in trees.items():  # interleaved, so both see the same machine
+            results[name][turns] = measure_tree(tree, turns, args.repeat)
+            print(f"measured {name} @ {turns} turns: {results[name][turns]}", flush=True)
+    print_comparison(results)
     return 0
 
 

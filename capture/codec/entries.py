@@ -136,20 +136,45 @@ class ChainMemo:
 
     def prefix(self, rollout_id: str, ids: list[int], block_size: int) -> tuple[Block, ...]:
         """The remembered whole blocks ``ids`` starts with (empty when it does not)."""
+        return self.match(rollout_id, ids, block_size)[0]
+
+    def match(
+        self, rollout_id: str, ids: list[int], block_size: int
+    ) -> tuple[tuple[Block, ...], list[int]]:
+        """The remembered whole blocks ``ids`` starts with, and a copy of the ids they
+        cover: the slice the comparison needs anyway, which ``remember`` then extends
+        instead of copying the whole context a second time."""
         with self._lock:
             known = self._known.get(rollout_id)
         if known is None or known[0] != block_size:
-            return ()
+            return (), []
         _, prefix, blocks = known
-        if len(ids) < len(prefix) or ids[: len(prefix)] != prefix:
-            return ()
-        return blocks
+        if len(ids) < len(prefix):
+            return (), []
+        head = ids[: len(prefix)]
+        if head != prefix:
+            return (), []
+        return blocks, head
 
     def remember(
-        self, rollout_id: str, sequence: list[int], chain: list[Block], block_size: int
+        self,
+        rollout_id: str,
+        sequence: tuple[list[int], list[int]],
+        chain: list[Block],
+        block_size: int,
+        head: list[int] | None = None,
     ) -> None:
-        whole = len(sequence) // block_size
-        known = (block_size, sequence[: whole * block_size], tuple(chain[:whole]))
+        """Keep the whole-block prefix of ``sequence`` (prompt, generation) as a list of our
+        own (the caller's may change later). ``head``, a copy of the prompt's first ids
+        that ``match`` made, is extended: a call costs the ids it adds, not a second copy."""
+        prompt, generation = sequence
+        whole = (len(prompt) + len(generation)) // block_size
+        size = whole * block_size
+        ids = head if head is not None and len(head) <= size else []
+        if len(ids) < size:
+            ids += prompt[len(ids) : size]
+            ids += generation[: size - len(ids)]
+        known = (block_size, ids, tuple(chain[:whole]))
         with self._lock:
             self._known[rollout_id] = known
             self._known.move_to_end(rollout_id)
@@ -172,13 +197,15 @@ def encode_entry(
     entry = TokenEntry.coerce(entry)
     prompt, generation = entry.prompt_token_ids, entry.generation_token_ids
     prompt_len = len(prompt)
-    reused = memo.prefix(entry.rollout_id, prompt, block_size) if memo is not None else ()
+    reused, head = (
+        memo.match(entry.rollout_id, prompt, block_size) if memo is not None else ((), [])
+    )
     start = len(reused) * block_size
     # Two packs of lists (array's fast path) and one join beat packing a chained iterator.
     rest = pack_ids(prompt[start:] if start else prompt) + pack_ids(generation)
     chain = [*reused, *cut(rest, block_size, bytes.fromhex(reused[-1].name) if reused else ROOT)]
     if memo is not None:
-        memo.remember(entry.rollout_id, [*prompt, *generation], chain, block_size)
+        memo.remember(entry.rollout_id, (prompt, generation), chain, block_size, head)
     generated = len(generation)
     log_probs = pack_floats(entry.generation_log_probs)
     fields = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied
