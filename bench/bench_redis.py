@@ -16,6 +16,7 @@ stopped by PID:
   the put wrote (read back from the hash), from the same process and client library;
 - durable puts/s with 4 processes x 64 rollouts at once, each rollout putting its calls in
   order, the clock running from a common start until the last put returns.
+The "this" tree's children run whatever is checked out there, uncommitted edits included.
 """
 
 from __future__ import annotations

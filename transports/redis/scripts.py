@@ -135,6 +135,11 @@ class ScriptBatch:
 
 
 def _fail(futures: list[Any], error: BaseException) -> None:
+    """Every caller of a failed batch sees its error (and retries its own call)."""
     for future in futures:
-        if not future.done():
+        if future.done():
+            continue
+        if isinstance(error, asyncio.CancelledError):
+            future.cancel()
+        else:
             future.set_exception(error)
