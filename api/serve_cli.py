@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--upstream",
         help="engine URL; overrides model_server.upstream (default $TOKCAP_UPSTREAM, else the "
-        "config's); credentials in it are never printed",
+        "config's); a URL with credentials belongs in the variable, as every local user can "
+        "read a command line; they are never printed",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     parser.add_argument(
@@ -207,7 +208,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokcap serve", description=__doc__)
+    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
+
+    parser = argparse.ArgumentParser(
+        prog="tokcap serve", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -188,7 +188,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokcap engine", description=__doc__)
+    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
+
+    parser = argparse.ArgumentParser(
+        prog="tokcap engine", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

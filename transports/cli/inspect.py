@@ -318,7 +318,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokcap inspect", description=__doc__.splitlines()[0])
+    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
+
+    parser = argparse.ArgumentParser(
+        prog="tokcap inspect",
+        description=__doc__.splitlines()[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
