@@ -66,30 +66,44 @@ class ScriptBatch:
         self._sha = sha
         self._durability = durability
         self._pending: list[tuple[str, Callable[[Durability], Sequence[Any]], Any]] = []
-        self._sending: set[asyncio.Task[None]] = set()  # kept so they are not collected
+        self._sending = 0  # batches on their way
+        self._tasks: set[asyncio.Task[None]] = set()  # kept so they are not collected
 
-    def run(
+    async def run(
         self, key: str, args: Callable[[Durability], Sequence[Any]]
-    ) -> asyncio.Future[tuple[Any, list[Any], Durability]]:
+    ) -> tuple[Any, list[Any], Durability]:
         """(script reply, wait replies, guarantee), once the batch is back.
 
         The guarantee is asked once the connection is taken (a connection that opened for
         this batch has just proven its server's own), and ``args`` are made for it. The
         caller decides from the script's reply whether anything was written, and so whether
-        the wait replies must be verified.
+        the wait replies must be verified. With nothing else on its way, the call is sent
+        at once from the caller's own task; else it joins the next batch.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._flush)
-        self._pending.append((key, args, future))
-        return future
+        if not self._sending and not self._pending:
+            self._sending += 1
+            try:
+                await self._send([(key, args, future)])
+            finally:
+                self._sending -= 1
+        else:
+            if not self._pending:
+                loop.call_soon(self._flush)
+            self._pending.append((key, args, future))
+        return await future
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
+        self._sending += 1
         task = asyncio.get_running_loop().create_task(self._send(batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._sending -= 1
+        self._tasks.discard(task)
 
     async def _send(self, batch: list[tuple[str, Any, Any]]) -> None:
         futures = [future for _, _, future in batch]
