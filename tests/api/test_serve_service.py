@@ -99,7 +99,9 @@ def serving(args: list[str], log: Path, env: dict[str, str]) -> Iterator[str]:
                 raise AssertionError(f"{exc}\n{log.read_text()[-3000:]}") from None
             yield base
         finally:
-            stop_process(proc)
+            code = stop_process(proc)
+    # SIGTERM is how a service manager stops it: a clean stop, not a failure.
+    assert code == 0, log.read_text()[-3000:]
 
 
 def assert_no_secret(where: str, text: str) -> None:
@@ -120,7 +122,9 @@ def test_two_workers_share_their_metrics_and_print_no_credential(
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)
     log = tmp_path / "serve.log"
-    env = {"TOKCAP_REDIS_URL": _redis_url(redis.port)}
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {"TOKCAP_REDIS_URL": _redis_url(redis.port), "TMPDIR": str(temp)}
     calls = 8
     with engine_server() as engine:
         args = _serve_args(config, free_port(), _with_credentials(engine))
@@ -142,6 +146,7 @@ def test_two_workers_share_their_metrics_and_print_no_credential(
     for exposition in scrapes:
         assert _counter(exposition, "tokcap_captured_calls_total") == calls
         assert_no_secret("/metrics", exposition)
+    assert not list(temp.glob("tokcap-metrics-*")), "the metrics directory outlived serve"
     output = log.read_text()
     assert "tokcap serve: http://127.0.0.1" in output  # the banner
     assert_no_secret("the server's output", output)
