@@ -1,6 +1,7 @@
 """Capture and rebuild on a synthetic agent rollout: put latency, bytes stored, freeze+rebuild.
 
-Run: ``.venv/bin/python bench/bench_capture.py`` (``--turns 50 200 --repeat 5``).
+Run: ``.venv/bin/python -m bench.bench_capture`` (``--turns 50 200 --repeat 5``; issue 13:
+``--compare /tmp/base13 --turns 50 200 1000 --repeat 3``).
 
 The rollout is what an agent loop sends: a 2,000-token system prompt, then per turn 200
 generated and 300 tool-output tokens, ids drawn from a 151,000-token vocabulary (seeded).
