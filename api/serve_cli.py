@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="HTTP/1.1 parser (default auto: httptools)",
     )
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help="serve the OpenAPI pages (/docs, /redoc, /openapi.json); off unless asked "
+        "(model_server.docs, TOKCAP_DOCS=1)",
+    )
 
 
 def worker_environment(args: argparse.Namespace) -> dict[str, str]:
@@ -81,6 +87,8 @@ def worker_environment(args: argparse.Namespace) -> dict[str, str]:
         exported[ENV_CONFIG] = os.path.abspath(args.config)
     if args.upstream:
         exported["TOKCAP_UPSTREAM"] = args.upstream
+    if getattr(args, "docs", False):
+        exported["TOKCAP_DOCS"] = "1"
     return exported
 
 

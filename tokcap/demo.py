@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra rollouts whose harness edits its final answer, so they are masked (default 1)",
     )
     parser.add_argument("--max-turns", type=int, default=6, help="tool rounds per rollout")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=7, help="the engine's sampling seed")
     parser.add_argument("--workdir", default=None, help="keep logs and data here")
     parser.add_argument("--json", action="store_true", help="print the per-rollout rows as JSON")
 

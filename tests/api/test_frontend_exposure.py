@@ -67,3 +67,18 @@ def test_engine_ground_truth_flag_takes_an_optional_path(tmp_path: Path) -> None
     assert served.ground_truth and served.ground_truth_path is None and served.seed == 3
     logged = parsed("--ground-truth", str(tmp_path / "truth.jsonl"))
     assert logged.ground_truth and logged.ground_truth_path == str(tmp_path / "truth.jsonl")
+
+
+def test_tokcap_serve_docs_flag_turns_the_pages_on_for_its_workers() -> None:
+    import argparse
+
+    from api.serve_cli import add_arguments, worker_environment
+    from api.settings import settings_from_environment
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "TOKCAP_DOCS" not in worker_environment(parser.parse_args([]))
+    variables = worker_environment(parser.parse_args(["--docs"]))
+    assert variables["TOKCAP_DOCS"] == "1"
+    assert settings_from_environment(variables).docs is True
+    assert settings_from_environment({}).docs is False
