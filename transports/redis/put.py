@@ -126,7 +126,8 @@ class Put:
     """One attempt at a put: the script's arguments, planned on what this process knows.
 
     ``known`` is what the plan assumed held (its epoch is checked by the script); blocks not
-    in it are sent, with bytes or, when ``blind`` is off and nothing is known, by name.
+    in it are sent with their bytes, or by name when nothing is known and they are many
+    (``BLIND_SEND_BYTES``).
     """
 
     entry: EncodedEntry
