@@ -22,7 +22,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, encode_entry
 from capture.errors import (
@@ -160,6 +160,12 @@ class TokenCaptureStore:
     async def rollouts(self) -> list[str]:
         """Ids of every rollout with a log (open, frozen or tombstone)."""
         return await self._run(self._rollout_ids)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def close(self) -> None:
         self._closed = True

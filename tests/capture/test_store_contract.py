@@ -475,3 +475,11 @@ async def test_peek_reads_the_stored_entries_without_freezing(store, make_entry)
     assert [e.model_call_id for e in await store.peek("peeked")] == ["c-1", "c-2", "c-3"]
     assert await store.drop("peeked", snapshot_id=snapshot.snapshot_id, version=snapshot.version)
     assert await store.peek("peeked") == []  # retired: its entries were dropped
+
+
+async def test_a_store_is_an_async_context_manager_that_closes_itself(store, make_entry):
+    async with store as same:
+        assert same is store
+        await store.put(make_entry("ctx", "c-1", prompt=[1, 2], generation=[3], log_probs=[-1.0]))
+    with pytest.raises(Exception, match="closed"):
+        await store.put(make_entry("ctx", "c-2", prompt=[1, 2], generation=[4], log_probs=[-1.0]))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
@@ -199,6 +199,12 @@ class RedisTokenStore:
         return self.durability
 
     start = check
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def close(self) -> None:
         if self._closed:
