@@ -31,6 +31,7 @@ from api.settings import ENV_CONFIG, ServerSettings, settings_from_environment
 from api.upstream import where
 from capture.errors import ConfigError, TokenCaptureError
 from capture.protocols import StartupCheck
+from tokcap.help import verb_main
 
 APP = "api.app:create_app_from_env"
 
@@ -216,13 +217,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
-
-    parser = argparse.ArgumentParser(
-        prog="tokcap serve", description=__doc__, formatter_class=DefaultsHelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return verb_main("tokcap serve", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

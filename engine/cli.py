@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from tokcap.help import verb_main
+
 from .settings import LOGPROBS_MODES, WIRES, EngineSettings, load_generation_config
 
 API_KEY_ENV = "TOKCAP_ENGINE_API_KEY"
@@ -188,13 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
-
-    parser = argparse.ArgumentParser(
-        prog="tokcap engine", description=__doc__, formatter_class=DefaultsHelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return verb_main("tokcap engine", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from tokcap.help import DefaultsHelpFormatter
+
 SUBCOMMANDS = {
     "serve": ("api.serve_cli", "run the model-server front end that captures token ids"),
     "engine": ("engine.cli", "run the tokcap engine, a vLLM-compatible test engine"),
@@ -20,24 +22,6 @@ SUBCOMMANDS = {
     "report": ("transports.cli.report", "summarize a step's rebuilt records: what to watch"),
     "demo": ("tokcap.demo", "run the whole pipeline on scripted rollouts and print the result"),
 }
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """argparse's ArgumentDefaultsHelpFormatter, minus its repetitions and its ``None``.
-
-    A help text that already names its default is left alone; a flag's default is "off";
-    an option without a default says "none". A default is the option's own value, never
-    an environment variable's: help texts name the variable (values may be secrets).
-    """
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
-            return text
-        if action.nargs == 0:  # a flag: store_true and the like
-            return f"{text} (default: off)" if action.default is False else text
-        value = "none" if action.default is None else "%(default)s"
-        return f"{text} (default: {value})"
 
 
 def build_parser() -> argparse.ArgumentParser:

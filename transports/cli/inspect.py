@@ -32,6 +32,7 @@ from capture.errors import InvalidRolloutIdError
 from capture.records import TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
+from tokcap.help import verb_main
 from transports.redis.keys import DEFAULT_PREFIX
 
 UNKNOWN_ROLE = "?"  # the builder names no role for this chain
@@ -318,15 +319,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
-
-    parser = argparse.ArgumentParser(
-        prog="tokcap inspect",
-        description=__doc__.splitlines()[0],
-        formatter_class=DefaultsHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return verb_main("tokcap inspect", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from rich.text import Text
 from capture.delivery import METRICS_KEY
 from capture.rollout_ids import rollout_id_from_run_body
 from capture.summary import SUMMARY_KEYS
+from tokcap.help import verb_main
 from transports.cli.redis_url import URL_ENV
 from transports.rebuild.results import decode_result
 from transports.redis.keys import DEFAULT_PREFIX, as_text, stream_names
@@ -506,15 +507,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
-
-    parser = argparse.ArgumentParser(
-        prog="tokcap report",
-        description=__doc__.splitlines()[0],
-        formatter_class=DefaultsHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return verb_main("tokcap report", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from capture.rollout_ids import rollout_id_from_run_body
+from tokcap.help import verb_main
 from transports.cli.redis_url import MissingUrlError, add_url_argument, redis_url
 from transports.rebuild.jobs import RebuildQueue
 from transports.redis.keys import DEFAULT_PREFIX, stream_names
@@ -83,15 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
-
-    parser = argparse.ArgumentParser(
-        prog="tokcap submit",
-        description=__doc__.splitlines()[0],
-        formatter_class=DefaultsHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return verb_main("tokcap submit", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from tokcap.help import verb_main
 from transports.cli.redis_url import add_url_argument, redis_url
 from transports.rebuild.worker import RebuildWorker, WorkerSettings, run_worker
 
@@ -106,15 +107,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokcap.cli import DefaultsHelpFormatter  # every option's default in --help
-
-    parser = argparse.ArgumentParser(
-        prog="tokcap worker",
-        description=__doc__.splitlines()[0],
-        formatter_class=DefaultsHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return verb_main("tokcap worker", __doc__.splitlines()[0], add_arguments, run, argv)
 
 
 if __name__ == "__main__":
