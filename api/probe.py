@@ -157,13 +157,15 @@ async def probe_token_in(client: UpstreamClient, prompts: FaithfulPrompts) -> No
         )
 
 
-async def probe(settings: Any) -> EngineReport:
+async def probe(settings: Any, prompts: FaithfulPrompts | None = None) -> EngineReport:
     """Probe the engine ``settings`` names, with its own short-lived client.
 
     An engine that cannot be reached is not refused (it may still be starting): the report
-    says the probe was skipped, and every call is checked on its own anyway.
+    says the probe was skipped, and every call is checked on its own anyway. ``prompts`` is
+    the faithful prompt builder the caller already loaded, if any (else it is loaded here).
     """
-    prompts = faithful_prompts(settings)  # a renderer that cannot load fails here
+    if prompts is None:
+        prompts = faithful_prompts(settings)  # a renderer that cannot load fails here
     client = UpstreamClient.from_settings(settings)
     try:
         report = await probe_engine(client)

@@ -26,7 +26,7 @@ from typing import Any
 
 from api.metrics import MULTIPROC_ENV
 from api.probe import probe
-from api.prompts.faithful import faithful_prompts
+from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.settings import ENV_CONFIG, ServerSettings, settings_from_environment
 from api.upstream import where
 from capture.errors import ConfigError, TokenCaptureError
@@ -108,8 +108,11 @@ def exported(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _checked_settings(variables: dict[str, str]) -> tuple[ServerSettings, str]:
-    """The settings and a word on capture; ConfigError on a bad config or sink (once, here).
+def _checked_settings(
+    variables: dict[str, str],
+) -> tuple[ServerSettings, str, FaithfulPrompts | None]:
+    """The settings, a word on capture, and the faithful prompt builder (None in text mode);
+    ConfigError on a bad config, sink or renderer (once, here).
 
     The sink is built and, if it proves itself (``StartupCheck``: Redis durability and
     reachability), started once here: every worker would refuse the same way, and uvicorn's
@@ -127,9 +130,10 @@ def _checked_settings(variables: dict[str, str]) -> tuple[ServerSettings, str]:
             if sink is not None
             else "on, but no dir or sink is configured: tagged calls are served, not captured"
         )
-    if faithful_prompts(settings) is not None:  # a renderer that cannot load fails here
+    prompts = faithful_prompts(settings)  # a renderer that cannot load fails here
+    if prompts is not None:
         capture += f"; faithful prompts: {settings.renderer_name} on {settings.renderer_tokenizer}"
-    return settings, capture
+    return settings, capture, prompts
 
 
 async def _started_then_closed(sink: Any) -> None:
@@ -186,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
 
     variables = worker_environment(args)
     try:
-        settings, capture = _checked_settings(variables)
-        report = None if args.skip_probe else asyncio.run(probe(settings))
+        settings, capture, prompts = _checked_settings(variables)
+        report = None if args.skip_probe else asyncio.run(probe(settings, prompts))
     except ConfigError as exc:  # EngineRefused included: it names the setting to change
         print(f"tokcap serve: {exc}", file=sys.stderr)
         return 2

@@ -57,8 +57,11 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def _texts(messages: list[Mapping[str, Any]], role: str) -> list[str]:
-    return [content_text(m.get("content")) for m in messages if m.get("role") == role]
+def _texts(messages: list[Mapping[str, Any]], role: str, picks: slice) -> list[str]:
+    """The text of the picked messages of ``role`` only: the rest of a long history is
+    never joined into strings on the call's path."""
+    chosen = [m for m in messages if m.get("role") == role][picks]
+    return [content_text(m.get("content")) for m in chosen]
 
 
 def _structured(body: Mapping[str, Any]) -> bool:
@@ -80,8 +83,9 @@ def _structured(body: Mapping[str, Any]) -> bool:
 def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> dict[str, Any]:
     """The traits of one request, as the entry's ``request_traits`` field."""
     messages = [m for m in chat_request.get("messages") or [] if isinstance(m, Mapping)]
-    systems = _texts(messages, "system")
-    users = _texts(messages, "user")
+    systems = _texts(messages, "system", slice(0, 1))
+    first_users = _texts(messages, "user", slice(0, 2))
+    last_user = _texts(messages, "user", slice(-1, None))
     tools = sorted(
         str((tool.get("function") or {}).get("name") or "")
         for tool in chat_request.get("tools") or []
@@ -94,8 +98,8 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
         "tools": _digest("\n".join(tools)),
         "n_tools": len(tools),
         "structured_output": _structured(body),
-        "summary_request": bool(users) and _asks_for_summary(users[-1]),
-        "continuation": any(CONTINUATION in text.lower() for text in users[:2]),
+        "summary_request": bool(last_user) and _asks_for_summary(last_user[0]),
+        "continuation": any(CONTINUATION in text.lower() for text in first_users),
     }
 
 

@@ -16,7 +16,7 @@ The engine never re-renders sampled history. For each request:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from api.dialects.common import RequestError, new_id, tool_call
@@ -31,7 +31,6 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
 # Why a prompt that has an assistant turn in its history was rendered whole.
 NO_MATCH = "no_match"
 BRIDGE_REFUSED = "bridge_refused"
-FALLBACK_REASONS = (NO_MATCH, BRIDGE_REFUSED)
 # What a renderer raises for a conversation it cannot render (odd roles, content, tools).
 RENDER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, AssertionError, IndexError)
 
@@ -89,10 +88,10 @@ class FaithfulPrompts:
         prompt = Prompt([], self.sampling(chat_request), messages, tools, lineage, allowed)
         history, new = split_history(messages)
         if not history:
-            return _with(prompt, ids=self.render(messages, tools))
+            return replace(prompt, ids=self.render(messages, tools))
         found = await find_continued(self.memory, lineage.history)
         if found is None:
-            return _with(prompt, ids=self.render(messages, tools), fallback=NO_MATCH)
+            return replace(prompt, ids=self.render(messages, tools), fallback=NO_MATCH)
         try:
             bridged = self.renderer.bridge_to_next_turn(
                 found.prompt_ids, found.completion_ids, new, tools=tools
@@ -100,8 +99,8 @@ class FaithfulPrompts:
         except RENDER_ERRORS:
             bridged = None  # what the bridge cannot read, a whole render may (or refuses)
         if bridged is None:
-            return _with(prompt, ids=self.render(messages, tools), fallback=BRIDGE_REFUSED)
-        return _with(
+            return replace(prompt, ids=self.render(messages, tools), fallback=BRIDGE_REFUSED)
+        return replace(
             prompt,
             ids=list(bridged.token_ids),
             continued=found.model_call_id,
@@ -150,10 +149,6 @@ class FaithfulPrompts:
         if calls:
             message["tool_calls"] = calls
         return message
-
-
-def _with(prompt: Prompt, **changes: Any) -> Prompt:
-    return Prompt(**{**prompt.__dict__, **changes})
 
 
 def faithful_prompts(settings: Any) -> FaithfulPrompts | None:

@@ -118,14 +118,20 @@ def put_record(entry: TokenEntry, encoded: EncodedEntry, state: RolloutState) ->
     }
 
 
-def entries_from_records(records: Iterable[dict[str, Any]]) -> list[TokenEntry]:
-    """Every entry a log's records hold, decoded by the shared codec; a chain's calls share
-    one id sequence (their ids are views of it), so a long rollout's freeze holds its final
-    context about once, not once per call."""
+def stored_entries(records: Iterable[dict[str, Any]]) -> tuple[list[bytes], dict[str, bytes]]:
+    """The entry bodies a log's records hold, and every block they stored, in codec form."""
     bodies: list[bytes] = []
     blocks: dict[str, bytes] = {}
     for record in records:
         if record["k"] == "put":
             bodies.append(record["body"])
             blocks.update(record["blocks"])
+    return bodies, blocks
+
+
+def entries_from_records(records: Iterable[dict[str, Any]]) -> list[TokenEntry]:
+    """Every entry a log's records hold, decoded by the shared codec; a chain's calls share
+    one id sequence (their ids are views of it), so a long rollout's freeze holds its final
+    context about once, not once per call."""
+    bodies, blocks = stored_entries(records)
     return decode_entries(bodies, blocks, trusted=True, shared=True)

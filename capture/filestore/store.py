@@ -31,7 +31,13 @@ from capture.errors import (
     TokenCaptureError,
 )
 from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
-from capture.filestore.records import RolloutState, entries_from_records, head_record, put_record
+from capture.filestore.records import (
+    RolloutState,
+    entries_from_records,
+    head_record,
+    put_record,
+    stored_entries,
+)
 from capture.inspection import Inspection, state_name
 from capture.lineage import entry_with_key
 from capture.reasons import (
@@ -321,9 +327,8 @@ class TokenCaptureStore:
         with locked_log(self._path(rollout_id), create=False, fsync=self.fsync) as log:
             if log is None:
                 return None
-            records = [record for _, record in log.read_from(0) if record["k"] == "put"]
-        blocks = {name: data for record in records for name, data in record["blocks"]}
-        return entry_with_key((record["body"] for record in records), blocks, lineage_key)
+            bodies, blocks = stored_entries(record for _, record in log.read_from(0))
+        return entry_with_key(bodies, blocks, lineage_key)
 
     def _peek(self, rollout_id: str) -> list[TokenEntry]:
         with locked_log(self._path(rollout_id), create=False, fsync=self.fsync) as log:

@@ -362,11 +362,7 @@ class RedisTokenStore:
 
     async def inspect(self, rollout_id: str) -> dict[str, Any]:
         """A summary of one rollout for operators; reads only."""
-        await self.check()
-        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        fields = pairs(
-            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
-        )
+        fields = await self._read_hash(rollout_id)
         return summary_of(rollout_id, fields).as_dict()
 
     async def peek(self, rollout_id: str) -> list[TokenEntry]:
@@ -375,11 +371,7 @@ class RedisTokenStore:
         Reads only: unlike ``freeze`` it stops no writes, so a running rollout goes on. A
         retired rollout's entries are gone, so it peeks as none.
         """
-        await self.check()
-        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        fields = pairs(
-            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
-        )
+        fields = await self._read_hash(rollout_id)
         kinds = split(fields)
         bodies = kinds[k.ENTRY]
         return decode_entries([bodies[c] for c in sorted(bodies)], kinds[k.BLOCK], trusted=True)
@@ -387,13 +379,17 @@ class RedisTokenStore:
     async def find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None:
         """The call of a running rollout whose entry carries ``lineage_key`` (faithful
         prompts); reads only, and decodes only that call."""
-        await self.check()
-        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        fields = pairs(
-            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
-        )
+        fields = await self._read_hash(rollout_id)
         kinds = split(fields)
         return entry_with_key(kinds[k.ENTRY].values(), kinds[k.BLOCK], lineage_key)
+
+    async def _read_hash(self, rollout_id: str) -> dict[bytes, bytes]:
+        """Every field of the rollout's hash, read once without changing it."""
+        await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+        return pairs(
+            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
+        )
 
 
 def _check_server(url: str | None, client: aioredis.Redis | None) -> None:
