@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from capture.build.projection import carriers
+from capture.build.projection import flat_sequence
 from capture.build.segments import SEGMENTS_KEY
 from capture.delivery import MASK_KEY, METRICS_KEY, carries_token_ids
 
@@ -35,21 +35,11 @@ class TrainingSample:
 def sample_of(items: Iterable[Any], role: str) -> TrainingSample:
     """One contiguous sample from token-bearing items; ValueError when they are not one
     sequence (a carrier's prompt does not extend everything before it)."""
-    ids: list[int] = []
-    mask: list[int] = []
-    log_probs: list[float] = []
-    found = carriers(items)
-    for index, item in enumerate(found):
-        prompt, generation = item["prompt_token_ids"], item["generation_token_ids"]
-        if prompt[: len(ids)] != ids:
-            raise ValueError(f"{role}: carrier {index}'s prompt does not extend the sequence")
-        context = len(prompt) - len(ids)
-        ids.extend(prompt[len(ids) :])
-        ids.extend(generation)
-        mask.extend([0] * context + [1] * len(generation))
-        log_probs.extend([0.0] * context)
-        log_probs.extend(item["generation_log_probs"])
-    return TrainingSample(role, ids, mask, log_probs, len(found))
+    try:
+        ids, mask, log_probs, calls = flat_sequence(items)
+    except ValueError as exc:
+        raise ValueError(f"{role}: {exc}") from None
+    return TrainingSample(role, ids, mask, log_probs, calls)
 
 
 def training_samples(record: Mapping[str, Any]) -> list[TrainingSample]:

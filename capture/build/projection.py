@@ -164,14 +164,17 @@ def carriers(items: Iterable[Any]) -> list[Mapping[str, Any]]:
     ]
 
 
-def flat_ids_and_mask(items: Iterable[Any]) -> tuple[list[int], list[int]]:
-    """The delivered sequence and its loss mask: 0 for context, 1 for generated positions.
+def flat_sequence(items: Iterable[Any]) -> tuple[list[int], list[int], list[float], int]:
+    """The delivered sequence, its loss mask (0 context, 1 generated), the sampled log-probs
+    aligned with it (0.0 at context positions) and how many carriers made it.
 
     Raises ValueError when the carriers are not contiguous (there is no one sequence).
     """
     ids: list[int] = []
     mask: list[int] = []
-    for index, item in enumerate(carriers(items)):
+    log_probs: list[float] = []
+    found = carriers(items)
+    for index, item in enumerate(found):
         prompt = item["prompt_token_ids"]
         generation = item["generation_token_ids"]
         if prompt[: len(ids)] != ids:
@@ -182,6 +185,17 @@ def flat_ids_and_mask(items: Iterable[Any]) -> tuple[list[int], list[int]]:
         context = prompt[len(ids) :]
         ids.extend(context)
         mask.extend([0] * len(context))
+        log_probs.extend([0.0] * len(context))
         ids.extend(generation)
         mask.extend([1] * len(generation))
+        log_probs.extend(item["generation_log_probs"])
+    return ids, mask, log_probs, len(found)
+
+
+def flat_ids_and_mask(items: Iterable[Any]) -> tuple[list[int], list[int]]:
+    """The delivered sequence and its loss mask: 0 for context, 1 for generated positions.
+
+    Raises ValueError when the carriers are not contiguous (there is no one sequence).
+    """
+    ids, mask, _, _ = flat_sequence(items)
     return ids, mask
