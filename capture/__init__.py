@@ -32,6 +32,8 @@ _EXPORTS = {
     "capture_call": "capture.context",
     "begin_call": "capture.context",
     "entry_from_response": "capture.extract",
+    "IdView": "capture.codec.views",
+    "json_default": "capture.codec.views",
 }
 
 __all__ = sorted(_EXPORTS)

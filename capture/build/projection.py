@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from capture.codec.views import as_list
+from capture.codec.views import IdView, shares_prefix
 from capture.records import TokenEntry
 
 # Content part types whose ``text`` is what the model wrote (or, for input parts, was shown).
@@ -129,9 +129,10 @@ def to_responses_items(
 def project_call(entry: TokenEntry) -> list[dict[str, Any]]:
     """One call's output items with its token arrays back on the carrier item.
 
-    The arrays are the entry's own lists (not copies): a 10,000-turn rollout would
-    otherwise hold every prompt twice. A decoded entry's views of its chain's shared
-    sequence become lists here, because the record is serialized (JSON, msgpack) later.
+    The arrays are the entry's own (not copies): a decoded entry's ids are views of its
+    chain's shared sequence (``capture.codec.views.IdView``), so the record stays linear in
+    the final context; a list per call would hold every prompt again (about 250 M list
+    slots at 1,000 turns). Serializers write views with ``json_default``.
     """
     items, carrier = to_responses_items(entry.output_items, entry.token_item_index)
     if carrier is None or carrier >= len(items):
@@ -139,8 +140,8 @@ def project_call(entry: TokenEntry) -> list[dict[str, Any]]:
             items.append(_message_item("", "assistant"))
         carrier = len(items) - 1
     item = items[carrier]
-    item["prompt_token_ids"] = as_list(entry.prompt_token_ids)
-    item["generation_token_ids"] = as_list(entry.generation_token_ids)
+    item["prompt_token_ids"] = entry.prompt_token_ids
+    item["generation_token_ids"] = entry.generation_token_ids
     item["generation_log_probs"] = entry.generation_log_probs
     if entry.routed_experts is not None:
         item["routed_experts"] = entry.routed_experts
@@ -174,10 +175,11 @@ def flat_sequence(items: Iterable[Any]) -> tuple[list[int], list[int], list[floa
     mask: list[int] = []
     log_probs: list[float] = []
     found = carriers(items)
+    previous: Mapping[str, Any] | None = None
     for index, item in enumerate(found):
         prompt = item["prompt_token_ids"]
         generation = item["generation_token_ids"]
-        if prompt[: len(ids)] != ids:
+        if not _continues(prompt, previous) and prompt[: len(ids)] != ids:
             raise ValueError(
                 f"carrier {index}'s prompt does not extend the sequence before it; "
                 "the output is not contiguous"
@@ -189,7 +191,17 @@ def flat_sequence(items: Iterable[Any]) -> tuple[list[int], list[int], list[floa
         ids.extend(generation)
         mask.extend([1] * len(generation))
         log_probs.extend(item["generation_log_probs"])
+        previous = item
     return ids, mask, log_probs, len(found)
+
+
+def _continues(prompt: Sequence[int], previous: Mapping[str, Any] | None) -> bool:
+    """Whether ``prompt`` provably starts with the previous carrier's prompt + generation,
+    by identity (views of one chain's sequence): the sequence so far is exactly that, so a
+    1,000-turn record is checked without comparing every prompt again."""
+    if previous is None or not isinstance(prompt, IdView):
+        return False
+    return shares_prefix(prompt, previous["prompt_token_ids"], previous["generation_token_ids"])
 
 
 def flat_ids_and_mask(items: Iterable[Any]) -> tuple[list[int], list[int]]:

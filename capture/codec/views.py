@@ -70,6 +70,13 @@ class IdView(Sequence[int]):
         # A copy or a pickle carries its own ids, not the whole shared sequence.
         return (list, (self.tolist(),))
 
+    def __add__(self, other: Sequence[int]) -> list[int]:
+        # ``prompt + generation`` reads as it does on lists: a new list.
+        return [*self.tolist(), *other]
+
+    def __radd__(self, other: Sequence[int]) -> list[int]:
+        return [*other, *self.tolist()]
+
     def tolist(self) -> list[int]:
         """The ids as a new list (one copy of this range only)."""
         return self.base[self.start : self.stop]
@@ -80,6 +87,14 @@ class IdView(Sequence[int]):
     def continued_by(self, other: IdView) -> bool:
         """Whether ``other`` is the range right after this one in the same list."""
         return self.base is other.base and self.stop == other.start
+
+
+def json_default(value: Any) -> list[int]:
+    """``default=`` for ``json.dumps``, orjson and ``msgpack.packb``: a rebuilt record's
+    token arrays may be views, which serializers do not know; each is written as its list."""
+    if isinstance(value, IdView):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def as_list(ids: Sequence[int]) -> list[int]:

@@ -22,6 +22,7 @@ from capture import (
     rollout_id_from_run_body,
 )
 from capture.build.projection import flat_ids_and_mask
+from capture.codec.views import json_default
 from capture.config import agent_opted_in, load_capture_config
 from capture.context import begin_call, capture_call, capture_tokens
 from capture.delivery import MaskFractionExceeded
@@ -149,9 +150,10 @@ async def capture_rollout(sink, rollout_id, turns):
 
 
 def hand_off(tmp_path, record):
-    """The durable handoff between finalize and retire: an fsynced JSON line."""
+    """The durable handoff between finalize and retire: an fsynced JSON line (the token
+    arrays are views of the chain's sequence, written as lists by ``json_default``)."""
     with open(tmp_path / "results.jsonl", "a") as results:
-        results.write(json.dumps(record) + "\n")
+        results.write(json.dumps(record, default=json_default) + "\n")
         results.flush()
         os.fsync(results.fileno())
 
@@ -239,7 +241,7 @@ async def test_lost_call_masks_and_is_never_retired(tmp_path, monkeypatch):
     async with capture_call("lost-call-1", sink):
         await begin_call()  # dispatched, then the server died before the reply
     record = harness_record(body)
-    original_output = json.loads(json.dumps(record["response"]["output"]))
+    original_output = json.loads(json.dumps(record["response"]["output"], default=json_default))
     built = await finalize_rollout_token_capture(record, sink)
     assert built.masked and not built.ok
     assert record["mask_sample"] is True

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 
 import pytest
 
 from capture.build.builder import run_builder
 from capture.codec.entries import decode_entries, encode_entry
-from capture.codec.views import IdView, as_list, shares_prefix
+from capture.codec.views import IdView, as_list, json_default, shares_prefix
 from tests.support.rollouts import growing_rollout
 
 
@@ -27,6 +28,11 @@ def test_a_view_reads_like_the_list_of_its_range():
         IdView(base, 3, 11)
     assert pickle.loads(pickle.dumps(view)) == want and copy.deepcopy(view) == want
     assert as_list(view) == want and type(as_list(view)) is list
+    assert view + [99] == [*want, 99] and [0] + view == [0, *want]
+    assert type(view + view) is list and view + view == want + want
+    assert json.dumps({"ids": view}, default=json_default) == json.dumps({"ids": want})
+    with pytest.raises(TypeError):
+        json_default(object())
 
 
 def test_views_of_one_chain_share_their_sequence_and_prove_prefixes():
@@ -65,8 +71,10 @@ def test_a_branch_gets_its_own_sequence_and_the_build_matches_plain_lists():
     by_view, by_list = run_builder(shared), run_builder(entries)
     assert by_view.parents == by_list.parents and by_view.chains == by_list.chains
     assert by_view.output == by_list.output
-    assert all(
-        type(item["prompt_token_ids"]) is list
-        for item in by_view.output
-        if "prompt_token_ids" in item
+    carriers = [item for item in by_view.output if "prompt_token_ids" in item]
+    # The record shares the chain's sequence: views, not a list per call.
+    assert all(type(item["prompt_token_ids"]) is IdView for item in carriers)
+    assert len({id(item["prompt_token_ids"].base) for item in carriers}) == 1
+    assert json.loads(json.dumps(by_view.output, default=json_default)) == json.loads(
+        json.dumps(by_list.output)
     )

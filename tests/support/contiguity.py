@@ -6,13 +6,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from capture.build.projection import carriers
+from capture.codec.views import IdView
 
 
 def contiguity_errors(items: Iterable[Any]) -> list[str]:
     """Why the token-bearing items are not contiguous; empty when they are.
 
     Contiguous: each carrier's prompt starts with the previous carrier's prompt and
-    generation, so the whole output is one token sequence.
+    generation, so the whole output is one token sequence. The arrays are lists or views of
+    a chain's shared sequence (``IdView``); this check compares ids, never identity.
     """
     errors = []
     previous: list[int] | None = None
@@ -20,7 +22,7 @@ def contiguity_errors(items: Iterable[Any]) -> list[str]:
         prompt = item.get("prompt_token_ids")
         generation = item.get("generation_token_ids")
         log_probs = item.get("generation_log_probs")
-        if not isinstance(prompt, list) or not isinstance(generation, list):
+        if not isinstance(prompt, list | IdView) or not isinstance(generation, list | IdView):
             errors.append(f"carrier {index} lacks prompt_token_ids or generation_token_ids")
             previous = None
             continue
@@ -31,7 +33,7 @@ def contiguity_errors(items: Iterable[Any]) -> list[str]:
                 f"carrier {index}'s prompt does not start with carrier {index - 1}'s "
                 "prompt and generation"
             )
-        previous = prompt + generation
+        previous = [*prompt, *generation]
     return errors
 
 

@@ -18,6 +18,9 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from capture.build.projection import project_chain
+from capture.codec.entries import decode_entries, encode_entry
+from capture.codec.views import IdView, json_default
 from tests.support.rebuild import (
     assert_rebuilt,
     finished_record,
@@ -25,6 +28,7 @@ from tests.support.rebuild import (
     populate,
     rollout_entries,
 )
+from tests.support.rollouts import growing_rollout
 from transports.cli.inspect import inspect_rollout
 from transports.rebuild.jobs import (
     MalformedJobError,
@@ -32,7 +36,13 @@ from transports.rebuild.jobs import (
     decode_job,
     encode_job,
 )
-from transports.rebuild.results import ResultsReader, compact_record, expand_record
+from transports.rebuild.results import (
+    ResultsReader,
+    compact_record,
+    decode_result,
+    encode_result,
+    expand_record,
+)
 from transports.rebuild.worker import RebuildWorker, WorkerSettings
 from transports.redis.keys import stream_names
 
@@ -76,6 +86,33 @@ def test_result_compaction_round_trips_exact_arrays() -> None:
     wire = msgpack.unpackb(msgpack.packb(compacted), raw=False)
     assert expand_record(wire) == original
     assert record == original  # compaction never touches the caller's record
+
+
+def test_a_record_of_views_goes_out_compact_and_comes_back_as_one_shared_sequence() -> None:
+    trunk = growing_rollout("views-1", 5, system_tokens=300, generated_per_turn=20)
+    branch = trunk[2].model_copy(
+        update={"model_call_id": "branch", "generation_token_ids": [7] * 20, "created_at": 0.0}
+    )
+    encoded = [encode_entry(entry, 64) for entry in [*trunk, branch]]
+    blocks = dict(block for item in encoded for block in item.blocks)
+    shared = decode_entries([item.body for item in encoded], blocks, trusted=True, shared=True)
+    # The trunk, then the branch as its own item: it does not extend the trunk's last call.
+    items = [*project_chain(shared[:5]), *project_chain(shared[5:])]
+    record = {"_ng_rollout_id": "views-1", "response": {"output": items}}
+    want = json.loads(json.dumps(record, default=json_default))
+    fields = encode_result(record, rollout_id="views-1")
+    wire = msgpack.unpackb(fields["record"], raw=False)["response"]["output"]
+    # On the wire: the first prompt whole, then each call's tool output, then the branch whole.
+    assert sum(len(item["prompt_token_ids"]) for item in wire) == 300 + 4 * 300 + 940
+    back = decode_result("1-0", fields)
+    assert (
+        json.loads(json.dumps(back["response"]["output"], default=json_default))
+        == want["response"]["output"]
+    )
+    carriers = [item for item in back["response"]["output"] if "prompt_token_ids" in item]
+    assert all(type(item["prompt_token_ids"]) is IdView for item in carriers)
+    bases = [id(item["prompt_token_ids"].base) for item in carriers]
+    assert len(set(bases[:5])) == 1 and bases[5] != bases[0]
 
 
 async def test_submit_validates_and_round_trips(redis_url: str, redis_prefix: str) -> None:

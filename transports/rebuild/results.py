@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from capture.codec.views import IdView, json_default, shares_prefix
 from transports.redis.keys import as_text, stream_names
 
 RESULT_ID_KEY = "_ng_result_id"
@@ -41,44 +42,76 @@ def _output_items(record: Mapping[str, Any]) -> list[Any] | None:
 
 
 def compact_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the record whose prompts store only what extends the previous item."""
+    """A copy of the record whose prompts store only what extends the previous item.
+
+    Views of one chain's sequence (``capture.codec.views``) are proven to extend the
+    previous item by identity; lists are compared. Either way no prompt is copied whole.
+    """
     items = _output_items(record)
     if not items:
         return record
-    running: list[int] = []
     compacted = []
+    previous: tuple[Sequence[int], Sequence[int]] | None = None
     for item in items:
         prompt = item.get("prompt_token_ids") if isinstance(item, dict) else None
-        if not isinstance(prompt, list):
+        if not isinstance(prompt, (list, IdView)):
             compacted.append(item)
             continue
         out = item
-        if running and len(prompt) >= len(running) and prompt[: len(running)] == running:
-            out = {**item, _PREFIX_MARK: len(running), "prompt_token_ids": prompt[len(running) :]}
+        shared = _shared_prefix(prompt, previous)
+        if shared:
+            out = {**item, _PREFIX_MARK: shared, "prompt_token_ids": prompt[shared:]}
         compacted.append(out)
         generation = item.get("generation_token_ids")
-        running = [*prompt, *generation] if isinstance(generation, list) else list(prompt)
+        previous = (prompt, generation if isinstance(generation, (list, IdView)) else [])
     return {**record, "response": {**record["response"], "output": compacted}}
 
 
+def _shared_prefix(
+    prompt: Sequence[int], previous: tuple[Sequence[int], Sequence[int]] | None
+) -> int:
+    """How many leading ids of ``prompt`` are the previous item's prompt + generation
+    (all of them, or 0 when it does not start with them)."""
+    if previous is None:
+        return 0
+    before, generation = previous
+    size = len(before) + len(generation)
+    if not size or len(prompt) < size:
+        return 0
+    if shares_prefix(prompt, before, generation):
+        return size
+    start = len(before)
+    if prompt[start:size] == generation and prompt[:start] == before:
+        return size
+    return 0
+
+
 def expand_record(record: dict[str, Any]) -> dict[str, Any]:
-    """Undo ``compact_record`` in place; the arrays come back exactly."""
+    """Undo ``compact_record`` in place; the arrays come back exactly.
+
+    An item that extends the previous one gets views of one shared sequence (as a rebuild
+    in process does), so the expanded record also grows with the final context.
+    """
     items = _output_items(record)
     if not items:
         return record
-    running: list[int] = []
+    sequence: list[int] = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("prompt_token_ids"), list):
             continue
         shared = item.pop(_PREFIX_MARK, None)
-        if shared is not None:
-            if shared != len(running):
-                raise ValueError(
-                    f"result item extends {shared} tokens, but {len(running)} precede it"
-                )
-            item["prompt_token_ids"] = [*running, *item["prompt_token_ids"]]
+        if shared is None:
+            sequence = list(item["prompt_token_ids"])
+        elif shared != len(sequence):
+            raise ValueError(f"result item extends {shared} tokens, but {len(sequence)} precede it")
+        else:
+            sequence.extend(item["prompt_token_ids"])
+        prompt_len = len(sequence)
+        item["prompt_token_ids"] = IdView(sequence, 0, prompt_len)
         generation = item.get("generation_token_ids")
-        running = [*item["prompt_token_ids"], *(generation if isinstance(generation, list) else ())]
+        if isinstance(generation, list):
+            sequence.extend(generation)
+            item["generation_token_ids"] = IdView(sequence, prompt_len, len(sequence))
     return record
 
 
@@ -89,7 +122,9 @@ def encode_result(record: dict[str, Any], **meta: Any) -> dict[str, Any]:
         for key, value in meta.items()
     }
     fields["format"] = "msgpack"
-    fields["record"] = msgpack.packb(compact_record(record), use_bin_type=True)
+    fields["record"] = msgpack.packb(
+        compact_record(record), use_bin_type=True, default=json_default
+    )
     return fields
 
 
