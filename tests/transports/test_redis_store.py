@@ -14,6 +14,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from capture.codec.views import IdView
 from capture.config import load_capture_config
 from capture.errors import ConfigError
 from capture.protocols import IntentSink, TokenSink, TokenSource
@@ -129,8 +130,10 @@ async def test_foreign_entry_objects_are_accepted(store):
     assert [e.model_call_id for e in snapshot.entries] == ["c-1", "c-2"]
     got = snapshot.entries[0]
     assert got.model_dump() == want.model_dump()
-    for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
-        assert type(getattr(got, name)) is list  # plain lists for Gym-style consumers
+    # The ids are views of the rollout's shared sequence; a dump gives plain lists.
+    assert type(got.prompt_token_ids) is IdView and type(got.generation_log_probs) is list
+    dumped = got.model_dump()
+    assert all(type(dumped[name]) is list for name in ("prompt_token_ids", "generation_token_ids"))
     assert got.prompt_token_ids + got.generation_token_ids == [3, 1, 4, 1, 5]
 
 

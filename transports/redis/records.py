@@ -46,7 +46,10 @@ def snapshot_of(
     kinds = split(fields)
     bodies, blocks = kinds[k.ENTRY], kinds[k.BLOCK]
     calls = sorted(bodies)
-    entries = tuple(decode_entries([bodies[c] for c in calls], blocks, trusted=True))
+    # One shared id sequence per chain (views), as the file store's freeze: the rebuild and
+    # its record then grow with the final context, not with turns x context.
+    bodies_in_order = [bodies[c] for c in calls]
+    entries = tuple(decode_entries(bodies_in_order, blocks, trusted=True, shared=True))
     lost = [call_reason(call_id, what.decode()) for call_id, what in sorted(kinds[k.MARK].items())]
     pending = _pending(kinds)
     retired = _flag(fields, k.RETIRED)  # its entries are gone, so it can no longer be rebuilt
