@@ -18,30 +18,20 @@ anything is captured. Around the adapter the client handles what every engine sh
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import httpx
-
 from api import jsonbytes
+from api.engine_http import TRANSPORT_ERRORS, EngineHTTP
 from api.engines import ADAPTERS, family_of_models
 from api.generation import Generation, UpstreamError, prompt_problem, with_changes
 
 log = logging.getLogger(__name__)
 
-JSON_HEADERS = {"content-type": "application/json"}
-# httpx's default pool size, with every connection kept alive: concurrent calls of a harness
-# fleet reuse warm connections instead of reconnecting beyond httpx's default of 20 idle ones.
-MAX_CONNECTIONS = 100
-# uvicorn, which serves vLLM and SGLang, closes a connection idle for 5 s; a pooled one kept
-# as long can be closed just as a request goes out on it. Expire ours well before that.
-KEEPALIVE_EXPIRY_S = 2.0
-# Start-up questions (/version, /v1/models) are trivial to serve: a slow answer must not
-# hold the first call for long.
-QUESTION_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 # How each engine names the prompt length in its context-length error (vLLM 0.10.2, vLLM
 # before it, SGLang 0.5.23).
 _PROMPT_LENGTH = re.compile(
@@ -57,25 +47,27 @@ def where(url: str) -> str:
     return f"{parts.scheme}://{host}{port}"
 
 
-def without_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
-    """``url`` without its user and password, and those as basic auth (None without).
+def without_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its user and password, and those as a basic ``Authorization`` header
+    value (None without).
 
-    httpx logs every request's URL (``HTTP Request: POST http://user:pass@...``, at INFO),
-    so credentials ride in the auth header instead of in the URL the client is built on.
+    Credentials ride in the header, never in the URL the client is built on, so no
+    message, log line or exception naming the URL can show them.
     """
     parts = urlsplit(url)
     if parts.username is None and parts.password is None:
         return url, None
     bare = parts._replace(netloc=parts.netloc.rpartition("@")[2])
-    auth = httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
-    return urlunsplit(bare), auth
+    pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    return urlunsplit(bare), "Basic " + base64.b64encode(pair.encode()).decode()
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(status: int, content: bytes) -> str:
     try:
-        body = response.json()
+        body = jsonbytes.loads(content)
     except ValueError:
-        return response.text[:500] or response.reason_phrase
+        text = content.decode("utf-8", "replace")[:500]
+        return text or f"status {status}"
     if isinstance(body, Mapping):
         error = body.get("error")
         if isinstance(error, Mapping) and error.get("message"):
@@ -130,20 +122,14 @@ class UpstreamClient:
         self.sampling_overrides = dict(sampling_overrides or {})
         self.vocab_size = vocab_size
         self.engine = engine  # "auto" until the first call names the family
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            # A key wins over the URL's user and password, as it goes out as a header.
-            auth=None if api_key else basic_auth,
+        # A key wins over the URL's user and password.
+        authorization = f"Bearer {api_key}" if api_key else basic_auth
+        headers = {"authorization": authorization} if authorization else {}
+        self._http = EngineHTTP(
+            self.base_url,
             headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(
-                max_connections=MAX_CONNECTIONS,
-                max_keepalive_connections=MAX_CONNECTIONS,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
+            timeout_s=timeout_s,
         )
-        self._urls: dict[str, httpx.URL] = {}
         self._served_model: str | None = None  # the upstream's first model, once asked
         self.max_model_len: int | None = None
         self._legacy: bool | None = None  # None: not asked yet (or the engine did not answer)
@@ -163,35 +149,21 @@ class UpstreamClient:
             api_key=settings.upstream_api_key,
         )
 
-    def _url(self, path: str) -> httpx.URL:
-        # httpx parses a relative URL again on every request; each path is merged once.
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = self._http.build_request("POST", path).url
-        return url
-
-    async def _send(self, path: str, content: bytes) -> httpx.Response:
+    async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        content = jsonbytes.dumps(body)  # ValueError for NaN
         try:
-            try:
-                return await self._http.post(self._url(path), content=content, headers=JSON_HEADERS)
-            except httpx.RemoteProtocolError:
-                # The engine closed a pooled connection as the request went out, and answered
-                # nothing: send it once more. A sample it may have drawn was never returned,
-                # so nothing of it reaches the harness or the capture.
-                return await self._http.post(self._url(path), content=content, headers=JSON_HEADERS)
-        except httpx.HTTPError as exc:
+            status, reply = await self._http.post(path, content)
+        except TRANSPORT_ERRORS as exc:
             raise UpstreamError(
                 502, f"upstream {self.where} unreachable: {type(exc).__name__}"
             ) from exc
-
-    async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        response = await self._send(path, jsonbytes.dumps(body))  # ValueError for NaN
-        if response.status_code >= 400:
+        if status >= 400:
             # The harness may fix a 4xx itself; a 5xx is the upstream's fault: a bad gateway.
-            status = response.status_code if response.status_code < 500 else 502
-            raise UpstreamError(status, f"upstream: {_error_message(response)}")
+            raise UpstreamError(
+                status if status < 500 else 502, f"upstream: {_error_message(status, reply)}"
+            )
         try:
-            data = jsonbytes.loads(response.content)
+            data = jsonbytes.loads(reply)
         except ValueError as exc:
             raise UpstreamError(502, "upstream answered with invalid JSON") from exc
         if not isinstance(data, dict):
@@ -201,13 +173,13 @@ class UpstreamClient:
     async def _get_json(self, path: str) -> tuple[int, Any]:
         """(status, body) of a GET; (0, None) when the engine could not be reached."""
         try:
-            response = await self._http.get(path, timeout=QUESTION_TIMEOUT)
-        except httpx.HTTPError:
+            status, reply = await self._http.get(path)
+        except TRANSPORT_ERRORS:
             return 0, None
         try:
-            return response.status_code, response.json()
+            return status, jsonbytes.loads(reply)
         except ValueError:
-            return response.status_code, None
+            return status, None
 
     async def models(self) -> list[dict[str, Any]]:
         status, body = await self._get_json("/v1/models")
@@ -388,4 +360,4 @@ class UpstreamClient:
         return tokens
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._http.close()

@@ -1,6 +1,6 @@
 """An upstream URL's user and password reach the engine as basic auth, never a log line.
 
-httpx logs each request's URL at INFO; the client is built on the URL without them.
+The client is built on the URL without them, so nothing that names the URL can show them.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import asyncio
 import base64
 import logging
 
-import httpx
-
+from api.generation import Generation, UpstreamError
 from api.upstream import UpstreamClient, where, without_credentials
 from tests.support.frontend import engine_server
+from tests.support.servers import free_port
 
 USER, SECRET = "gym", "pw-0c61e5"
 
@@ -20,25 +20,38 @@ USER, SECRET = "gym", "pw-0c61e5"
 def test_the_url_is_split_from_its_credentials() -> None:
     bare, auth = without_credentials(f"http://{USER}:{SECRET}@127.0.0.1:9/v1")
     assert bare == "http://127.0.0.1:9/v1"
-    request = next(auth.auth_flow(httpx.Request("GET", bare)))
     expected = base64.b64encode(f"{USER}:{SECRET}".encode()).decode()
-    assert request.headers["authorization"] == f"Basic {expected}"
+    assert auth == f"Basic {expected}"
     assert without_credentials("http://127.0.0.1:9") == ("http://127.0.0.1:9", None)
     assert where(f"https://{USER}:{SECRET}@example.org:8443/v1") == "https://example.org:8443"
 
 
-def test_no_credential_in_the_clients_log_lines(caplog) -> None:
+def test_no_credential_in_the_clients_log_lines_or_errors(caplog) -> None:
     caplog.set_level(logging.DEBUG)
     with engine_server() as engine:
         url = engine.replace("http://", f"http://{USER}:{SECRET}@")
 
-        async def call() -> None:
+        async def call() -> Generation:
             client = UpstreamClient(url)
             try:
-                await client.chat({"messages": [{"role": "user", "content": "hi"}]})
+                return await client.chat({"messages": [{"role": "user", "content": "hi"}]})
             finally:
                 await client.close()
 
-        asyncio.run(call())
-    assert "HTTP Request" in caplog.text  # httpx did log the request
-    assert SECRET not in caplog.text and USER not in caplog.text
+        generation = asyncio.run(call())
+    assert generation.ids_problem is None and generation.generation_token_ids
+
+    async def unreachable() -> str:
+        client = UpstreamClient(f"http://{USER}:{SECRET}@127.0.0.1:{free_port()}/v1")
+        try:
+            await client.chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        except UpstreamError as exc:
+            return str(exc) + exc.message
+        finally:
+            await client.close()
+        raise AssertionError("a closed port answered")
+
+    message = asyncio.run(unreachable())
+    assert "unreachable" in message
+    for text in (caplog.text, message):
+        assert SECRET not in text and USER not in text
