@@ -25,6 +25,7 @@ from api.capture_step import capture
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
 from api.generation import Generation, UpstreamError
+from api.hangup import client_gone
 from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
@@ -131,7 +132,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         events = _delivered_stream(dialect.stream(reply, body), request, metrics)
         headers.update(sse.SSE_HEADERS)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    if await request.is_disconnected():
+    if await client_gone(request):
         await _unreceived(metrics, "the client disconnected before the reply was sent")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(reply, headers=headers)
@@ -192,7 +193,7 @@ async def _delivered_stream(
             if final:
                 yield final
             final = event
-        if not await request.is_disconnected():
+        if not await client_gone(request):
             yield final
             delivered = True
     finally:
