@@ -77,6 +77,12 @@ class IdView(Sequence[int]):
     def __radd__(self, other: Sequence[int]) -> list[int]:
         return [*other, *self.tolist()]
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        # numpy (and torch through it) would otherwise read a view one __getitem__ at a time.
+        import numpy
+
+        return numpy.asarray(self.tolist(), dtype=dtype)
+
     def tolist(self) -> list[int]:
         """The ids as a new list (one copy of this range only)."""
         return self.base[self.start : self.stop]

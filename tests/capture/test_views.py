@@ -6,6 +6,7 @@ import copy
 import json
 import pickle
 
+import numpy
 import pytest
 
 from capture.build.builder import run_builder
@@ -33,6 +34,9 @@ def test_a_view_reads_like_the_list_of_its_range():
     assert json.dumps({"ids": view}, default=json_default) == json.dumps({"ids": want})
     with pytest.raises(TypeError):
         json_default(object())
+    assert (
+        numpy.asarray(view).tolist() == want and numpy.asarray(view, dtype="int32").dtype == "int32"
+    )
 
 
 def test_views_of_one_chain_share_their_sequence_and_prove_prefixes():
