@@ -78,7 +78,7 @@ class IdView(Sequence[int]):
         return [*other, *self.tolist()]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
-        # numpy (and torch through it) would otherwise read a view one __getitem__ at a time.
+        # numpy would otherwise read a view one __getitem__ at a time.
         import numpy
 
         return numpy.asarray(self.tolist(), dtype=dtype)
