@@ -106,13 +106,19 @@ def shard_streams(base: Streams, shards: int = 1, *, tagged: bool = False) -> li
     different shards fall in evenly spaced slots, so shards spread over the masters.
     Every producer and consumer of one queue must be given the same number of shards.
     """
-    if not 1 <= shards <= MAX_SHARDS:
-        raise ValueError(f"shards must be within 1..{MAX_SHARDS}, got {shards}")
+    columns = [shard_names(name, shards, tagged=tagged) for name in base]
+    return [Streams(*names) for names in zip(*columns, strict=True)]
+
+
+def shard_names(base: str, shards: int = 1, *, tagged: bool = False) -> list[str]:
+    """One stream name per shard (see ``shard_streams``): ``base``, or ``base:{<tag>}``."""
+    if not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be an integer within 1..{MAX_SHARDS}, got {shards!r}")
     if shards == 1 and not tagged:
         return [base]
-    if any("{" in name or "}" in name for name in base):
-        raise ValueError(f"sharded stream names must not hold braces (a hash tag): {base}")
-    return [Streams(*(f"{name}:{{{tag}}}" for name in base)) for tag in shard_tags(shards)]
+    if "{" in base or "}" in base:
+        raise ValueError(f"a sharded stream name must not hold braces (a hash tag): {base!r}")
+    return [f"{base}:{{{tag}}}" for tag in shard_tags(shards)]
 
 
 @lru_cache(maxsize=16)

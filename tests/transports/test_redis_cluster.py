@@ -1,0 +1,158 @@
+"""The store and the rebuild queue on a real Redis Cluster: 3 masters, 1 replica each.
+
+The store-contract suite runs against the session's cluster through the ``redis-cluster``
+store kind (``tests.support.fixtures_stores``); here are the cluster's own properties: a
+rollout lives on the master of its slot, rollouts spread over every master, every worker
+reads every shard of the queue, a trainer reads every shard of the results, and settings
+that cannot work are refused with a message. The failover tests are in
+``test_redis_cluster_failover``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from capture.errors import ConfigError
+from tests.support.rebuild import assert_rebuilt, finished_record, rollout_entries
+from tokcap.redis_cluster import LocalCluster
+from transports.rebuild.jobs import RebuildQueue
+from transports.rebuild.sharded_results import ShardedResultsReader
+from transports.rebuild.worker import RebuildWorker, WorkerSettings
+from transports.redis import RedisTokenStore
+from transports.redis import keys as k
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def keys_on(port: int, pattern: str) -> list[bytes]:
+    """The keys one node holds that match ``pattern`` (its own, not the cluster's)."""
+    with redis.Redis(port=port, socket_timeout=5) as client:
+        return list(client.scan_iter(match=pattern, count=1000))
+
+
+async def test_settings_that_cannot_work_on_a_cluster_are_refused() -> None:
+    with pytest.raises(ConfigError, match="over TCP"):
+        RedisTokenStore(url="unix:///tmp/redis.sock", cluster=True)
+    with pytest.raises(ConfigError, match="cluster must be true or false"):
+        RedisTokenStore(url="redis://127.0.0.1:1/0", cluster="yes")
+    plain = aioredis.Redis(port=1)
+    with pytest.raises(ConfigError, match="RedisCluster client"):
+        RedisTokenStore(client=plain, cluster=True)
+    await plain.aclose()
+    with pytest.raises(ValueError, match="shards must be"):
+        RebuildQueue(url="redis://127.0.0.1:1/0", shards=0)
+    with pytest.raises(ValueError, match="braces"):
+        WorkerSettings(url="redis://127.0.0.1:1/0", jobs_stream="{q}:jobs", shards=2)
+
+
+async def test_a_connected_cluster_client_is_refused_a_fresh_one_is_taken(
+    redis_cluster: LocalCluster, redis_prefix: str, make_entry
+) -> None:
+    connected = RedisCluster.from_url(redis_cluster.url)
+    await connected.initialize()
+    with pytest.raises(ConfigError, match="has not connected yet"):
+        await RedisTokenStore(client=connected, key_prefix=redis_prefix).check()
+    await connected.aclose()
+    fresh = RedisCluster.from_url(redis_cluster.url)
+    async with RedisTokenStore(client=fresh, key_prefix=redis_prefix) as store:
+        assert store.cluster
+        await store.put(make_entry("given-1", "c1"))
+        assert len((await store.freeze("given-1")).entries) == 1
+    await fresh.aclose()
+
+
+async def test_two_hundred_rollouts_spread_over_every_master(
+    redis_cluster: LocalCluster, redis_prefix: str
+) -> None:
+    rollout_ids = [f"spread-{n:03d}" for n in range(200)]
+    async with RedisTokenStore(
+        url=redis_cluster.url, cluster=True, key_prefix=redis_prefix
+    ) as store:
+        assert (await store.check()).how == "appendfsync always"
+
+        async def write(rollout_id: str) -> None:
+            for entry in rollout_entries(rollout_id, 2):
+                await store.put(entry)
+
+        await asyncio.gather(*(write(rollout_id) for rollout_id in rollout_ids))
+        held = {
+            master.port: keys_on(master.port, k.rollout_pattern(redis_prefix))
+            for master in redis_cluster.masters()
+        }
+        assert len(held) == 3 and all(held.values()), {p: len(v) for p, v in held.items()}
+        assert sum(len(keys) for keys in held.values()) == 200
+        for rollout_id in rollout_ids[::20]:
+            snapshot = await store.freeze(rollout_id)
+            assert [e.model_call_id for e in snapshot.entries] == [
+                e.model_call_id for e in rollout_entries(rollout_id, 2)
+            ]
+            assert snapshot.entries[-1].prompt_token_ids == (
+                rollout_entries(rollout_id, 2)[-1].prompt_token_ids
+            )
+
+
+async def test_workers_rebuild_across_every_shard_and_the_trainer_reads_them_all(
+    redis_cluster: LocalCluster, redis_prefix: str
+) -> None:
+    url, shards, turns = redis_cluster.url, 3, 3
+    rollout_ids = [f"shard-{n:02d}" for n in range(24)]
+    async with RedisTokenStore(url=url, cluster=True, key_prefix=redis_prefix) as store:
+        for rollout_id in rollout_ids:
+            for entry in rollout_entries(rollout_id, turns):
+                await store.put(entry)
+    jobs_base = k.stream_names(redis_prefix).jobs
+    async with RebuildQueue(url=url, stream=jobs_base, shards=shards, cluster=True) as queue:
+        for rollout_id in rollout_ids:
+            await queue.submit(finished_record(rollout_id))
+        assert await queue.pending() == len(rollout_ids)
+        # Each shard's stream lives on a master of its own.
+        homes = {
+            master.port
+            for stream in queue.streams
+            for master in redis_cluster.masters()
+            if keys_on(master.port, stream)
+        }
+        assert len(homes) == shards
+    workers = [
+        RebuildWorker(
+            WorkerSettings(
+                url=url,
+                key_prefix=redis_prefix,
+                cluster=True,
+                shards=shards,
+                consumer=f"w{n}",
+                concurrency=2,
+                block_ms=100,
+            )
+        )
+        for n in range(2)
+    ]
+    tasks = [asyncio.create_task(worker.run()) for worker in workers]
+    results_base = k.stream_names(redis_prefix).results
+    records: list[dict[str, Any]] = []
+    try:
+        async with ShardedResultsReader(
+            url=url, stream=results_base, shards=shards, cluster=True, block_ms=100
+        ) as reader:
+            while len(records) < len(rollout_ids):
+                for task in tasks:
+                    assert not task.done(), task  # a worker that stopped would hang the test
+                for record in await reader.read():
+                    assert_rebuilt(record, turns)
+                    assert await reader.ack(record)
+                    records.append(record)
+    finally:
+        for worker in workers:
+            worker.stop()
+        await asyncio.gather(*tasks)
+    assert sorted(r["_ng_rollout_id"] for r in records) == rollout_ids
+    assert sum(worker.counts["retired"] for worker in workers) == len(rollout_ids)
+    # Both workers read from more than one shard; every job stream is drained.
+    async with RebuildQueue(url=url, stream=jobs_base, shards=shards, cluster=True) as queue:
+        assert await queue.pending() == 0
