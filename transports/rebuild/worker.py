@@ -156,9 +156,20 @@ class RebuildWorker:
         self._stop.set()
 
     async def start(self) -> None:
-        """Check the server's durability and create the consumer groups (idempotent)."""
+        """Check the server's durability and create the consumer groups (idempotent).
+
+        A cluster replacing a master fails the group step for a while: it is tried again
+        (a store that cannot be reached at all has raised already).
+        """
         await self.source.check()
-        await self.jobs.ensure_groups()
+        while True:
+            try:
+                return await self.jobs.ensure_groups()
+            except TRANSIENT_ERRORS as exc:
+                if self._stop.is_set():
+                    raise
+                log.warning("cannot create the consumer groups (%s); retrying", exc)
+                await asyncio.sleep(READ_RETRY_PAUSE_S)
 
     async def run(self) -> None:
         """Process jobs until ``stop``; in-flight jobs always finish, even on an error."""
