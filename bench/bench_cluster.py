@@ -136,7 +136,8 @@ async def _rebuilt_in(target: Target, prefix: str, rollout_ids: list[str]) -> fl
             while not await client.exists(s.jobs):
                 await asyncio.sleep(0.05)
         started = time.monotonic()
-        await asyncio.gather(*(queue.submit(finished(r)) for r in rollout_ids))
+        for rollout_id in rollout_ids:
+            await queue.submit(finished(rollout_id))
         while sum([await client.xlen(s.results) for s in streams]) < len(rollout_ids):
             await asyncio.sleep(0.01)
         seconds = time.monotonic() - started

@@ -40,6 +40,7 @@ from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
 from transports.redis import keys as k
+from transports.redis.checks import check_call_id, check_limits, check_server, server_name
 from transports.redis.cluster import TOPOLOGY_ERRORS, ClusterConnections
 from transports.redis.connections import ProvingConnections
 from transports.redis.durability import Durability, check_durability
@@ -74,18 +75,6 @@ class RedisUnavailableError(TokenCaptureError, ConnectionError):
 
 class ContentionError(TokenCaptureError):
     """A write lost the WATCH race more times than allowed; it was not applied."""
-
-
-def server_name(client: aioredis.Redis | RedisCluster) -> str:
-    """Where a client connects, for messages: host and port or socket, never credentials."""
-    if isinstance(client, RedisCluster):
-        nodes = client.startup_nodes or list(client.nodes_manager.startup_nodes.values())
-        first = nodes[0] if nodes else None
-        return f"redis cluster at {getattr(first, 'host', '?')}:{getattr(first, 'port', '?')}"
-    kwargs = client.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return f"redis at {kwargs['path']}"
-    return f"redis at {kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
 
 
 class RedisTokenStore:
@@ -129,8 +118,8 @@ class RedisTokenStore:
         failover_timeout_s: float = 15.0,
     ) -> None:
         cluster = cluster or isinstance(client, RedisCluster)
-        _check_server(url, client, cluster)
-        _check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
+        check_server(url, client, cluster)
+        check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
         self._url = url
         self._client = client
         self._owns_client = client is None
@@ -382,17 +371,17 @@ class RedisTokenStore:
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durable intent before dispatch: without an entry at freeze, the rollout is incomplete."""
-        _check_call_id(model_call_id)
+        check_call_id(model_call_id)
         await self._transact(rollout_id, SetIntent(rollout_id, model_call_id, k.INTENT_OPEN))
 
     async def void_call(self, rollout_id: str, model_call_id: str) -> None:
         """Resolve a pending intent of a call that returned nothing (not a loss)."""
-        _check_call_id(model_call_id)
+        check_call_id(model_call_id)
         await self._transact(rollout_id, SetIntent(rollout_id, model_call_id, k.INTENT_VOID))
 
     async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
         """Note that the harness never received this call's reply; refused after freeze."""
-        _check_call_id(model_call_id)
+        check_call_id(model_call_id)
         await self._transact(rollout_id, MarkUnreceived(rollout_id, model_call_id))
 
     # -- source --------------------------------------------------------------------------
@@ -485,53 +474,6 @@ class RedisTokenStore:
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
         return pairs(await self._retrying(lambda: execute_raw(self._route(key)[0], "HGETALL", key)))
-
-
-def _check_server(url: str | None, client: Any, cluster: bool) -> None:
-    if (url is None) == (client is None):
-        raise ConfigError("RedisTokenStore needs exactly one of url= or client=")
-    if not isinstance(cluster, bool):
-        raise ConfigError(f"cluster must be true or false, got {cluster!r}")
-    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(  # the URL may carry a password: show its scheme only
-            f"url must start with redis://, rediss:// or unix://, got {url.split(':')[0]!r}"
-        )
-    if cluster and url is not None and url.startswith("unix://"):
-        raise ConfigError("a Redis Cluster is reached over TCP: use redis:// or rediss://")
-    if client is None or isinstance(client, RedisCluster):
-        return
-    if cluster:
-        raise ConfigError(
-            f"cluster=True needs url= or a redis.asyncio.cluster.RedisCluster client, "
-            f"got {type(client).__name__}"
-        )
-    if not hasattr(client, "connection_pool"):
-        raise ConfigError(
-            f"client must be a redis.asyncio.Redis or a redis.asyncio.cluster.RedisCluster, "
-            f"got {type(client).__name__}"
-        )
-
-
-def _check_limits(
-    key_prefix: str,
-    tombstone_ttl_s: float,
-    evidence_ttl_s: float | None,
-    max_connections: int,
-    pool_timeout_s: float,
-) -> None:
-    if max_connections < 1 or pool_timeout_s <= 0:
-        raise ConfigError("max_connections must be >= 1 and pool_timeout_s > 0")
-    if tombstone_ttl_s <= 0:
-        raise ConfigError("tombstone_ttl_s must be > 0")
-    if evidence_ttl_s is not None and evidence_ttl_s <= 0:
-        raise ConfigError("evidence_ttl_s must be > 0, or None to keep frozen rollouts")
-    if not key_prefix or "{" in key_prefix or "}" in key_prefix:
-        raise ConfigError("key_prefix must be non-empty and contain no braces")
-
-
-def _check_call_id(model_call_id: str) -> None:
-    if not isinstance(model_call_id, str) or not model_call_id:
-        raise ValueError("model_call_id must be a non-empty string")
 
 
 RedisTokenSink = RedisTokenStore
