@@ -18,6 +18,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from capture.config import TokenIdCaptureConfig
 from capture.errors import ConfigError
 from tests.support.rebuild import assert_rebuilt, finished_record, rollout_entries
 from tokcap.redis_cluster import LocalCluster
@@ -65,6 +66,67 @@ async def test_a_connected_cluster_client_is_refused_a_fresh_one_is_taken(
         await store.put(make_entry("given-1", "c1"))
         assert len((await store.freeze("given-1")).entries) == 1
     await fresh.aclose()
+
+
+async def test_a_config_puts_the_sink_on_the_cluster(
+    redis_cluster: LocalCluster, redis_prefix: str, make_entry
+) -> None:
+    config = TokenIdCaptureConfig.from_block(
+        {
+            "enabled": True,
+            "sink": "transports.redis:RedisTokenSink",
+            "sink_kwargs": {"url": redis_cluster.url, "cluster": True, "key_prefix": redis_prefix},
+        }
+    )
+    sink = config.build_sink()
+    try:
+        assert sink.cluster
+        await sink.put(make_entry("config-1", "c1"))
+        assert (await sink.inspect("config-1"))["calls"] == 1
+    finally:
+        await sink.close()
+    wrong = TokenIdCaptureConfig.from_block(
+        {
+            "enabled": True,
+            "sink": "transports.redis:RedisTokenSink",
+            "sink_kwargs": {"url": redis_cluster.url, "cluster": "yes"},
+        }
+    )
+    with pytest.raises(ConfigError, match="cluster must be true or false"):
+        wrong.build_sink()
+
+
+async def test_one_redis_takes_a_sharded_queue_too(redis_url: str, redis_prefix: str) -> None:
+    """Shards are not only for a cluster: on one Redis they are hash-tagged streams as well."""
+    rollout_ids = [f"one-{n}" for n in range(6)]
+    async with RedisTokenStore(url=redis_url, key_prefix=redis_prefix) as store:
+        for rollout_id in rollout_ids:
+            for entry in rollout_entries(rollout_id, 2):
+                await store.put(entry)
+    base = k.stream_names(redis_prefix)
+    async with RebuildQueue(url=redis_url, stream=base.jobs, shards=2) as queue:
+        for rollout_id in rollout_ids:
+            await queue.submit(finished_record(rollout_id))
+        assert {queue.stream_of(r) for r in rollout_ids} == set(queue.streams)
+    worker = RebuildWorker(
+        WorkerSettings(url=redis_url, key_prefix=redis_prefix, shards=2, block_ms=50)
+    )
+    task = asyncio.create_task(worker.run())
+    records = []
+    try:
+        async with ShardedResultsReader(
+            url=redis_url, stream=base.results, shards=2, block_ms=50
+        ) as reader:
+            while len(records) < len(rollout_ids):
+                assert not task.done(), task
+                for record in await reader.read():
+                    assert_rebuilt(record, 2)
+                    assert await reader.ack(record["_ng_result_id"])  # by id: it knows the shard
+                    records.append(record)
+    finally:
+        worker.stop()
+        await task
+    assert sorted(r["_ng_rollout_id"] for r in records) == rollout_ids
 
 
 async def test_two_hundred_rollouts_spread_over_every_master(
