@@ -11,6 +11,7 @@ that cannot work are refused with a message. The failover tests are in
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from transports.rebuild.sharded_results import ShardedResultsReader
 from transports.rebuild.worker import RebuildWorker, WorkerSettings
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
+from transports.redis.keys import as_text
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -218,3 +220,24 @@ async def test_workers_rebuild_across_every_shard_and_the_trainer_reads_them_all
     # Both workers read from more than one shard; every job stream is drained.
     async with RebuildQueue(url=url, stream=jobs_base, shards=shards, cluster=True) as queue:
         assert await queue.pending() == 0
+
+
+async def test_submit_command_queues_on_the_cluster_shards(
+    redis_cluster: LocalCluster, redis_prefix: str, tmp_path, capsys
+) -> None:
+    from transports.cli import submit
+
+    path = tmp_path / "records.jsonl"
+    rollout_ids = [f"cli-{n}" for n in range(6)]
+    path.write_text("\n".join(json.dumps(finished_record(r)) for r in rollout_ids))
+    where = ["--url", redis_cluster.url, "--cluster", "--key-prefix", redis_prefix]
+    code = await asyncio.to_thread(submit.main, [*where, "--shards", "3", str(path)])
+    assert code == 0, capsys.readouterr().err
+    base = k.stream_names(redis_prefix).jobs
+    async with RebuildQueue(url=redis_cluster.url, stream=base, shards=3, cluster=True) as queue:
+        assert await queue.pending() == len(rollout_ids)
+        for rollout_id in rollout_ids:
+            entries = await queue.client.xrange(queue.stream_of(rollout_id))
+            assert rollout_id in {as_text(fields[b"rollout_id"]) for _, fields in entries}
+    code = await asyncio.to_thread(submit.main, [*where, "--shards", "0", str(path)])
+    assert code == 2 and "shards must be" in capsys.readouterr().err
