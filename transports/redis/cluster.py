@@ -29,6 +29,7 @@ from redis.exceptions import (
     RedisClusterException,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from capture.errors import ConfigError
 from transports.redis.connections import Prover
@@ -66,8 +67,8 @@ class NodePool:
         try:
             await asyncio.wait_for(self._free.acquire(), self._timeout_s)
         except TimeoutError:
-            raise ConnectionError(
-                f"no free connection to {self.name} within {self._timeout_s} s"
+            raise RedisConnectionError(  # as redis-py's blocking pool says it
+                f"No connection available to {self.name} within {self._timeout_s} s"
             ) from None
         connection = self.node.acquire_connection()
         try:
