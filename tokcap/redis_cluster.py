@@ -10,13 +10,14 @@ about a second or two. Nodes are stopped by the PID they were started with.
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import redis
 
-from tokcap.processes import free_port
 from tokcap.redis_server import RedisServer, RedisServerUnavailable
 
 NODE_TIMEOUT_MS = 1000
@@ -28,17 +29,21 @@ class LocalCluster:
     def __init__(self, data_dir: Path, masters: int = 3, replicas: int = 1, **options: str) -> None:
         self.data_dir = Path(data_dir)
         self.nodes: list[RedisServer] = []
-        for index in range(masters * (1 + replicas)):
+        count = masters * (1 + replicas)
+        ports = distinct_free_ports(2 * count)  # a client port and a bus port per node
+        for index in range(count):
             node_dir = self.data_dir / f"node-{index}"
             node_dir.mkdir(parents=True, exist_ok=True)
             cluster_options = {
                 "cluster-enabled": "yes",
                 "cluster-config-file": "nodes.conf",
                 "cluster-node-timeout": str(NODE_TIMEOUT_MS),
-                "cluster-port": str(free_port()),
+                "cluster-port": str(ports[count + index]),
                 **options,
             }
-            self.nodes.append(RedisServer(node_dir, **cluster_options))
+            node = RedisServer(node_dir, **cluster_options)
+            node.port = ports[index]
+            self.nodes.append(node)
         self.replicas = replicas
 
     @property
@@ -51,7 +56,7 @@ class LocalCluster:
             raise RedisServerUnavailable("redis-cli is not installed (apt-get install redis-tools)")
         try:
             for node in self.nodes:
-                node.start()
+                self.start_node(node)
             addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
             subprocess.run(
                 ["redis-cli", "--cluster", "create", *addresses]
@@ -65,6 +70,16 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def start_node(self, node: RedisServer) -> None:
+        """Start (or restart) one node, and make sure the server on its port is that node:
+        a port taken meanwhile by someone else's Redis must never join this cluster."""
+        node.start()
+        with redis.Redis(port=node.port, socket_timeout=5) as client:
+            answering = client.info("server")["process_id"]
+        if node.proc is None or answering != node.proc.pid:
+            node.stop()
+            raise RuntimeError(f"port {node.port} is served by another process ({answering})")
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         """Until every running node says the cluster is ok and each master has its replicas."""
@@ -111,3 +126,14 @@ class LocalCluster:
     def stop(self) -> None:
         for node in reversed(self.nodes):
             node.stop()
+
+
+def distinct_free_ports(count: int) -> list[int]:
+    """``count`` different ports nothing listens on now (all bound at once while chosen)."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports

@@ -241,3 +241,26 @@ async def test_submit_command_queues_on_the_cluster_shards(
             assert rollout_id in {as_text(fields[b"rollout_id"]) for _, fields in entries}
     code = await asyncio.to_thread(submit.main, [*where, "--shards", "0", str(path)])
     assert code == 2 and "shards must be" in capsys.readouterr().err
+
+
+def test_a_node_whose_port_another_redis_took_is_refused(redis_server_factory, tmp_path) -> None:
+    """A port taken between its choice and the node's start must not bring a foreign Redis
+    into the cluster (redis-cli --cluster create would reconfigure it)."""
+    foreign = redis_server_factory()
+    cluster = LocalCluster(tmp_path / "cluster", masters=1, replicas=0)
+    (node,) = cluster.nodes
+    node.port = foreign.port
+    try:
+        with pytest.raises(RuntimeError, match="served by another process"):
+            cluster.start_node(node)
+    finally:
+        cluster.stop()
+    with redis.Redis(port=foreign.port) as client:
+        assert client.ping() and client.info("cluster")["cluster_enabled"] == 0
+
+
+def test_the_ports_of_a_local_cluster_are_all_different(tmp_path) -> None:
+    cluster = LocalCluster(tmp_path / "cluster")
+    ports = [node.port for node in cluster.nodes]
+    ports += [int(node.options["cluster-port"]) for node in cluster.nodes]
+    assert len(set(ports)) == 12

@@ -170,7 +170,8 @@ async def test_a_killed_master_loses_no_acknowledged_put_and_everyone_reconnects
 
         await eventually("the failover to the replica", replaced, 60)
         await submit_all(queue, jobs[10:20])
-        await asyncio.to_thread(victim.start)  # it rejoins as the new master's replica
+        # It rejoins as the new master's replica.
+        await asyncio.to_thread(cluster.start_node, victim)
         await asyncio.to_thread(cluster.wait_healthy, 60)
         masters = await asyncio.to_thread(cluster.masters)
         assert victim.port not in {node.port for node in masters}  # back as a replica
