@@ -29,6 +29,10 @@ SECRETS = {
 }
 FRONTEND_CONFIG = ROOT / "deploy" / "tokcap.yaml"
 SERVICES = {"redis", "engine", "frontend", "worker"}
+# The `cluster` profile's services, started only with `--profile cluster`.
+CLUSTER_NODES = {f"redis-c{n}" for n in range(1, 7)}
+CLUSTER_SERVICES = CLUSTER_NODES | {"redis-cluster-init", "frontend-cluster", "worker-cluster"}
+FRONTEND_CLUSTER_CONFIG = ROOT / "deploy" / "tokcap-cluster.yaml"
 
 
 def compose_command() -> list[str] | None:
@@ -47,7 +51,7 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())
 
 
-def compose_config(tmp_path: Path, **environ: str) -> subprocess.CompletedProcess:
+def compose_config(tmp_path: Path, *profiles: str, **environ: str) -> subprocess.CompletedProcess:
     """``config`` of the compose file under exactly ``environ`` (plus PATH and HOME)."""
     command = compose_command()
     if command is None:
@@ -56,7 +60,7 @@ def compose_config(tmp_path: Path, **environ: str) -> subprocess.CompletedProces
             "`docker-compose` is installed, so `docker compose config` cannot run here"
         )
     return subprocess.run(
-        [*command, "-f", str(COMPOSE_FILE), "config"],
+        [*command, "-f", str(COMPOSE_FILE), *(f"--profile={p}" for p in profiles), "config"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -100,6 +104,17 @@ def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
     assert services["frontend"]["environment"]["TOKCAP_AUTH_SECRET"] == "0123456789abcdef0"
 
 
+def test_compose_config_accepts_the_cluster_profile(tmp_path: Path) -> None:
+    proc = compose_config(tmp_path, "cluster", **SECRETS)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    assert set(services) == SERVICES | CLUSTER_SERVICES
+    for name in CLUSTER_NODES:
+        command = services[name]["command"]
+        assert command[command.index("--requirepass") + 1] == "pw-for-compose-test"
+        assert not published(services[name]), "cluster nodes stay on the compose network"
+
+
 @pytest.mark.parametrize("missing", sorted(SECRETS))
 def test_compose_config_refuses_to_run_without_its_secrets(tmp_path: Path, missing: str) -> None:
     proc = compose_config(tmp_path, **{k: v for k, v in SECRETS.items() if k != missing})
@@ -123,8 +138,10 @@ def test_published_ports_listen_on_loopback_and_redis_needs_a_password(compose: 
 
 
 def test_every_service_has_a_healthcheck(compose: dict) -> None:
-    assert set(compose["services"]) == SERVICES
+    assert set(compose["services"]) == SERVICES | CLUSTER_SERVICES
     for name, service in compose["services"].items():
+        if service.get("restart") == "no":
+            continue  # a one-shot job: it ends, it is never healthy
         check = service.get("healthcheck")
         assert check and check.get("test"), f"{name} has no healthcheck"
         assert check["test"][0] == "CMD", f"{name}: healthcheck should run a command directly"
@@ -140,6 +157,47 @@ def test_redis_is_durable_on_a_volume(compose: dict) -> None:
     assert mount == "/data"
     assert volume in compose["volumes"], "redis data must live on a named volume"
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_cluster_profile_is_a_durable_cluster_with_replicas(compose: dict) -> None:
+    services = compose["services"]
+    for name in CLUSTER_SERVICES:
+        assert services[name]["profiles"] == ["cluster"], f"{name} must start only on demand"
+    for name in CLUSTER_NODES:
+        node = services[name]
+        command = node["command"]
+        for flag, value in {
+            "--cluster-enabled": "yes",
+            "--appendonly": "yes",
+            "--appendfsync": "always",
+            "--cluster-announce-hostname": name,
+        }.items():
+            assert command[command.index(flag) + 1] == value, (name, flag)
+        for flag in ("--requirepass", "--masterauth"):  # replicas log in to their masters
+            assert command[command.index(flag) + 1].startswith("${TOKCAP_REDIS_PASSWORD:?")
+        volume, _, mount = node["volumes"][0].partition(":")
+        assert mount == "/data" and volume in compose["volumes"], name
+        assert "ports" not in node
+    init = "\n".join(services["redis-cluster-init"]["command"])
+    assert "--cluster-replicas 1" in init and all(node in init for node in CLUSTER_NODES)
+    for name in ("frontend-cluster", "worker-cluster"):
+        service = services[name]
+        assert service["environment"]["TOKCAP_REDIS_URL"].endswith("@redis-c1:6379/0")
+        assert "--url" not in service["command"], "a URL argument shows in ps"
+        init_done = service["depends_on"]["redis-cluster-init"]["condition"]
+        assert init_done == "service_completed_successfully"
+    worker = services["worker-cluster"]["command"]
+    assert worker[:2] == ["worker", "--cluster"]
+    assert worker[worker.index("--shards") + 1] == "3"
+
+
+def test_cluster_frontend_config_puts_the_sink_on_the_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TOKCAP_REDIS_URL", "redis://redis-c1:6379/0")
+    settings = ServerSettings.from_document(str(FRONTEND_CLUSTER_CONFIG), environ={})
+    assert settings.capture.sink == "transports.redis:RedisTokenSink"
+    assert settings.capture.sink_kwargs == {"url": "redis://redis-c1:6379/0", "cluster": True}
 
 
 def test_worker_scales(compose: dict) -> None:
@@ -243,3 +301,18 @@ def test_engine_healthcheck_passes_against_a_real_engine(compose: dict) -> None:
         engine, ready_url=f"http://127.0.0.1:{port}/health", env={"PYTHONPATH": str(ROOT)}
     ):
         assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
+
+
+def test_cluster_worker_healthcheck_passes_against_a_real_cluster_worker(
+    compose: dict, redis_cluster
+) -> None:
+    code = healthcheck_code(compose, "worker-cluster")
+    check = [sys.executable, "-c", code]
+    environ = {**os.environ, "TOKCAP_REDIS_URL": redis_cluster.url, "PYTHONPATH": str(ROOT)}
+    assert subprocess.run(check, capture_output=True, timeout=30, env=environ).returncode != 0
+    worker = [sys.executable, "-m", "transports.cli.worker", "--cluster", "--shards", "3"]
+    with run_process(worker, env={"PYTHONPATH": str(ROOT), "TOKCAP_REDIS_URL": redis_cluster.url}):
+        deadline = time.monotonic() + 30
+        while subprocess.run(check, capture_output=True, timeout=30, env=environ).returncode != 0:
+            assert time.monotonic() < deadline, "the cluster worker healthcheck never passed"
+            time.sleep(0.2)

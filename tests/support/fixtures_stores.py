@@ -32,9 +32,18 @@ async def _redis_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     return RedisTokenStore(url=request.getfixturevalue("redis_url"), key_prefix=prefix)
 
 
+async def _redis_cluster_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    from transports.redis import RedisTokenStore
+
+    cluster = request.getfixturevalue("redis_cluster")
+    prefix = request.getfixturevalue("redis_prefix")
+    return RedisTokenStore(url=cluster.url, cluster=True, key_prefix=prefix)
+
+
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "file": _file_store,
     "redis": _redis_store,
+    "redis-cluster": _redis_cluster_store,
 }
 
 

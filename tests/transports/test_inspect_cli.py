@@ -21,6 +21,9 @@ from transports.cli.inspect import UNKNOWN_ROLE, chain_role, inspect_rollout, ma
 
 def located(store: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
     """How ``inspect_rollout`` reaches the store a test wrote to."""
+    if getattr(store, "cluster", False):
+        url = request.getfixturevalue("redis_cluster").url
+        return {"url": url, "key_prefix": store.key_prefix, "cluster": True}
     if hasattr(store, "key_prefix"):
         return {"url": request.getfixturevalue("redis_url"), "key_prefix": store.key_prefix}
     return {"dir": str(store.dir)}
@@ -28,7 +31,11 @@ def located(store: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
 
 def flags(where: dict[str, Any]) -> list[str]:
     """The same place as command-line flags."""
-    return [arg for name, value in where.items() for arg in (f"--{name.replace('_', '-')}", value)]
+    args = []
+    for name, value in where.items():
+        flag = f"--{name.replace('_', '-')}"
+        args += [flag] if value is True else [flag, value]
+    return args
 
 
 def rendered(info: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from capture.records import TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
 from tokcap.help import verb_main
+from transports.cli.redis_url import add_cluster_argument
 from transports.redis.keys import DEFAULT_PREFIX
 
 UNKNOWN_ROLE = "?"  # the builder names no role for this chain
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--key-prefix", default=DEFAULT_PREFIX, help="Redis key prefix (default %(default)s)"
     )
+    add_cluster_argument(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -60,12 +62,13 @@ async def inspect_rollout(
     url: str | None = None,
     dir: str | None = None,
     key_prefix: str = DEFAULT_PREFIX,
+    cluster: bool = False,
 ) -> dict[str, Any]:
     """The store's ``inspect()`` for one rollout, where it was read, its calls and chains.
 
     Raises ``UnknownRolloutError`` when the store holds nothing of the rollout.
     """
-    store = _open_store(url, dir, key_prefix)
+    store = _open_store(url, dir, key_prefix, cluster)
     try:
         # The store's warning about durability='none' is about writes: it would only
         # confuse a reader, so it is held back for this call and nothing else.
@@ -80,7 +83,7 @@ async def inspect_rollout(
     return {**info, "store": where, **call_graph(entries)}
 
 
-def _open_store(url: str | None, dir: str | None, key_prefix: str) -> Any:
+def _open_store(url: str | None, dir: str | None, key_prefix: str, cluster: bool) -> Any:
     if dir is not None:
         from capture.filestore.store import TokenCaptureStore
 
@@ -90,7 +93,7 @@ def _open_store(url: str | None, dir: str | None, key_prefix: str) -> Any:
     from transports.redis import RedisTokenStore
 
     # Read-only: no write needs the durability guarantee, so none is demanded.
-    return RedisTokenStore(url=url, key_prefix=key_prefix, durability="none")
+    return RedisTokenStore(url=url, key_prefix=key_prefix, durability="none", cluster=cluster)
 
 
 def _where(store: Any) -> str:
@@ -303,7 +306,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         info = asyncio.run(
-            inspect_rollout(args.rollout_id, url=url, dir=args.dir, key_prefix=args.key_prefix)
+            inspect_rollout(
+                args.rollout_id,
+                url=url,
+                dir=args.dir,
+                key_prefix=args.key_prefix,
+                cluster=args.cluster,
+            )
         )
     except UnknownRolloutError as exc:
         print(f"tokcap inspect: {exc}", file=sys.stderr)

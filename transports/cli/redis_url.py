@@ -28,6 +28,14 @@ def add_url_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     )
 
 
+def add_cluster_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the URL names one node of a Redis Cluster (the client finds the others)",
+    )
+
+
 def redis_url(given: str | None, environ: Mapping[str, str] | None = None) -> str:
     """``--url`` if given, else TOKCAP_REDIS_URL; MissingUrlError names both."""
     url = given or (os.environ if environ is None else environ).get(URL_ENV)

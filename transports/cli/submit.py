@@ -13,7 +13,12 @@ from typing import Any
 
 from capture.rollout_ids import rollout_id_from_run_body
 from tokcap.help import verb_main
-from transports.cli.redis_url import MissingUrlError, add_url_argument, redis_url
+from transports.cli.redis_url import (
+    MissingUrlError,
+    add_cluster_argument,
+    add_url_argument,
+    redis_url,
+)
 from transports.rebuild.jobs import RebuildQueue
 from transports.redis.keys import DEFAULT_PREFIX, stream_names
 
@@ -21,6 +26,13 @@ from transports.redis.keys import DEFAULT_PREFIX, stream_names
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.json|-", help="record(s) to submit; - for stdin")
     add_url_argument(parser)
+    add_cluster_argument(parser)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="job stream shards, as many as the workers read (default %(default)s)",
+    )
     parser.add_argument(
         "--key-prefix",
         default=DEFAULT_PREFIX,
@@ -45,8 +57,10 @@ def read_records(text: str) -> list[dict[str, Any]]:
     return loaded if isinstance(loaded, list) else [loaded]
 
 
-async def _submit(url: str, stream: str, records: list[dict[str, Any]]) -> list[str]:
-    async with RebuildQueue(url=url, stream=stream) as queue:
+async def _submit(
+    url: str, stream: str, records: list[dict[str, Any]], shards: int = 1, cluster: bool = False
+) -> list[str]:
+    async with RebuildQueue(url=url, stream=stream, shards=shards, cluster=cluster) as queue:
         return [await queue.submit(record) for record in records]
 
 
@@ -71,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stream = args.stream or stream_names(args.key_prefix).jobs
     try:
-        job_ids = asyncio.run(_submit(url, stream, records))
+        job_ids = asyncio.run(_submit(url, stream, records, args.shards, args.cluster))
     except ValueError as exc:
         print(f"tokcap submit: {exc}", file=sys.stderr)
         return 2

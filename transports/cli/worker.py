@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from tokcap.help import verb_main
-from transports.cli.redis_url import add_url_argument, redis_url
+from transports.cli.redis_url import add_cluster_argument, add_url_argument, redis_url
 from transports.rebuild.worker import RebuildWorker, WorkerSettings, run_worker
 
 # Flags that set one WorkerSettings field each, in --help order, with what the field means;
@@ -26,12 +26,14 @@ SETTING_FLAGS = {
     "key_prefix": "prefix of the store's keys and of the streams",
     "durability": "fsync | replicas:N | none, as for the store",
     "block_ms": "how long one read waits for new jobs",
+    "shards": "job and result streams; submitters and trainers must use as many",
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = WorkerSettings(consumer="-")
     add_url_argument(parser)
+    add_cluster_argument(parser)
     for name, meaning in SETTING_FLAGS.items():
         default = getattr(defaults, name)
         parser.add_argument(
@@ -70,6 +72,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     chosen = {name: getattr(args, name) for name in SETTING_FLAGS}
     chosen["delivery"] = args.delivery
     chosen["min_delivered_fraction"] = args.min_delivered_fraction
+    chosen["cluster"] = args.cluster
     if args.consumer:  # otherwise the settings name it <host>-<pid>
         chosen["consumer"] = args.consumer
     return WorkerSettings(url=redis_url(args.url), **chosen)

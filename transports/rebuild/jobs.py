@@ -4,8 +4,12 @@ A job carries the whole record (the harness transcript, reward, ids) as msgpack,
 rollout id in its own field so an operator can read the stream without decoding. The worker
 pool (``transports.rebuild.worker``) consumes the stream in one consumer group per service.
 
-Streams are separate keys; on Redis Cluster name them with a shared hash tag (for example
-``{tokcap}:rebuild``) so the worker's multi-key steps stay in one slot.
+The queue can be sharded: ``shards`` job streams (``transports.redis.keys.shard_streams``),
+each named with a hash tag of its own so that on a Redis Cluster they spread over the
+masters while each shard's keys share one slot. A job goes to the shard of its rollout id
+(``shard_of``), so the submitter needs no coordination and a re-submission lands beside the
+first. On a cluster the streams are always hash-tagged, even with one shard; on one Redis,
+one shard keeps the plain names.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from capture.rollout_ids import rollout_id_from_run_body
-from transports.redis.keys import as_text, stream_names
+from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 
 JOB_FORMAT_VERSION = 1
 
@@ -84,30 +89,51 @@ def decode_job(fields: Mapping[Any, Any]) -> tuple[str, dict[str, Any]]:
     return rollout_id, record
 
 
+def open_client(url: str, cluster: bool = False) -> aioredis.Redis | RedisCluster:
+    """A client of one Redis, or of the Redis Cluster that ``url``'s node belongs to."""
+    if cluster:
+        return RedisCluster.from_url(url)
+    return aioredis.Redis.from_url(url)
+
+
 class RebuildQueue:
-    """Submit finished rollout records for rebuilding: one XADD per record."""
+    """Submit finished rollout records for rebuilding: one XADD per record.
+
+    ``stream`` names the jobs stream (with ``shards`` > 1 or on a cluster, the base of the
+    shards' names); ``cluster`` says the url names a node of a Redis Cluster (a
+    ``RedisCluster`` client passed in says so too). Workers must read the same shards.
+    """
 
     def __init__(
         self,
         *,
         url: str | None = None,
-        client: aioredis.Redis | None = None,
+        client: aioredis.Redis | RedisCluster | None = None,
         stream: str = stream_names().jobs,
+        shards: int = 1,
+        cluster: bool = False,
     ) -> None:
         if (url is None) == (client is None):
             raise ValueError("RebuildQueue needs exactly one of url= or client=")
+        cluster = cluster or isinstance(client, RedisCluster)
+        self.streams = shard_names(stream, shards, tagged=cluster)
         self._owns_client = client is None
-        self.client = client if client is not None else aioredis.Redis.from_url(url)
-        self.stream = stream
+        self.client = client if client is not None else open_client(url, cluster)
+        self.stream = self.streams[0]
+
+    def stream_of(self, rollout_id: str) -> str:
+        """The jobs stream (shard) that takes this rollout's jobs."""
+        return self.streams[shard_of(rollout_id, len(self.streams))]
 
     async def submit(self, record: Mapping[str, Any]) -> str:
-        """Queue one record; returns the job id (the stream entry id)."""
-        job_id = await self.client.xadd(self.stream, encode_job(record))
+        """Queue one record on its rollout's shard; returns the job id (the entry id)."""
+        fields = encode_job(record)
+        job_id = await self.client.xadd(self.stream_of(fields["rollout_id"]), fields)
         return as_text(job_id)
 
     async def pending(self) -> int:
-        """Jobs in the stream that no worker has finished yet."""
-        return int(await self.client.xlen(self.stream))
+        """Jobs in the streams that no worker has finished yet."""
+        return sum([int(await self.client.xlen(stream)) for stream in self.streams])
 
     async def close(self) -> None:
         if self._owns_client:

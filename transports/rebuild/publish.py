@@ -3,14 +3,17 @@
 One Lua script decides and writes in one step, so two workers that rebuilt the same
 snapshot (one of them claimed the other's job) publish one result between them, a result
 that names the one it supersedes when a late loss changed the snapshot, and never an older
-build after a newer one. The durability wait rides in the same pipeline.
+build after a newer one. The durability wait rides in the same pipeline, or, through the
+store (``publish_durably``), on the same connection to the master that holds the result's
+shard: on a Redis Cluster the guard, the results stream and the rollout's latest result
+share the shard's hash tag, so the script and its ``WAIT`` go to one master.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
@@ -84,10 +87,14 @@ class ResultToPublish:
     fields: Mapping[str, Any]  # the stream entry's fields (``encode_result``)
 
 
-async def publish_once(
-    client: aioredis.Redis, durability: Durability, result: ResultToPublish, *, guard_ttl_s: int
-) -> Published:
-    """XADD the result unless its snapshot version was published before; durable on return."""
+class DurableRunner(Protocol):
+    """Runs commands on one key's slot, then the durability wait (``RedisTokenStore``)."""
+
+    async def run_durably(self, key: str, commands: Any) -> list[Any]: ...
+
+
+def _publish_call(result: ResultToPublish, guard_ttl_s: int) -> tuple[Any, ...]:
+    """The EVAL of the publish script for ``result``; its first key is the guard."""
     built = result.built
     snapshot_id = built.snapshot_id or ""
     guard = k.publish_guard_key(
@@ -98,13 +105,31 @@ async def publish_once(
     args: list[Any] = [guard_ttl_s * 1000, ok_flag, snapshot_id, built.version, SUPERSEDES_FIELD]
     for key, value in result.fields.items():
         args += [key, value]
+    return ("EVAL", PUBLISH_ONCE, 3, guard, result.results_stream, latest, *args)
+
+
+async def publish_once(
+    client: aioredis.Redis, durability: Durability, result: ResultToPublish, *, guard_ttl_s: int
+) -> Published:
+    """XADD the result unless its snapshot version was published before; durable on return."""
+    call = _publish_call(result, guard_ttl_s)
     async with client.pipeline(transaction=False) as pipe:
-        pipe.eval(PUBLISH_ONCE, 3, guard, result.results_stream, latest, *args)
+        pipe.execute_command(*call)
         for command in durability.wait:
             pipe.execute_command(*command)
         replies = await pipe.execute()
     durability.verify(replies[1:])
     return _published(replies[0])
+
+
+async def publish_durably(
+    store: DurableRunner, result: ResultToPublish, *, guard_ttl_s: int
+) -> Published:
+    """``publish_once`` through the store: on one connection to the server (on a cluster,
+    the master) holding the result's shard, with the wait that server proved it needs."""
+    call = _publish_call(result, guard_ttl_s)
+    (reply,) = await store.run_durably(call[3], [call])
+    return _published(reply)
 
 
 def _published(reply: list[Any]) -> Published:

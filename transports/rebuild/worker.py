@@ -19,6 +19,10 @@ from the rollout's latest result, so a re-run after a crash links it too.
 A job that fails ``max_attempts`` times, or that can never succeed (a malformed record),
 goes to the dead-letter stream with its error and is acked. One process runs
 ``concurrency`` jobs at once as asyncio tasks; start more processes to scale.
+
+With ``shards`` > 1, or on a Redis Cluster (``cluster``), every worker reads every shard of
+the queue in its group (``transports.rebuild.shards``); a job's dead letter, its errors and
+its result stay on its shard, the one of its rollout id.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -44,13 +47,14 @@ from capture.delivery import (
     retire_rollout_token_capture,
 )
 from capture.retention import TOMBSTONE_TTL_S
-from transports.rebuild.jobs import MalformedJobError, decode_job
-from transports.rebuild.publish import Published, ResultToPublish, publish_once
-from transports.rebuild.results import encode_result, ensure_group
+from transports.rebuild.jobs import MalformedJobError, decode_job, open_client
+from transports.rebuild.publish import Published, ResultToPublish, publish_durably
+from transports.rebuild.results import encode_result
+from transports.rebuild.shards import Job, JobShards, job_key
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
-from transports.redis.durability import Durability
-from transports.redis.keys import as_text
+from transports.redis.cluster import TOPOLOGY_ERRORS
+from transports.redis.keys import Streams, as_text
 
 log = logging.getLogger("tokcap.worker")
 
@@ -60,6 +64,8 @@ REBUILD_ROUNDS = 3
 
 # When reading jobs fails on the connection, wait this long before trying again.
 READ_RETRY_PAUSE_S = 1.0
+# What a worker rides out by waiting: a lost connection, a cluster replacing a master.
+TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, *TOPOLOGY_ERRORS)
 # Stale jobs are looked for twice per claim_idle_ms (within these bounds), and the jobs in
 # flight are touched three times per claim_idle_ms, so a live job never looks idle that long.
 CLAIMS_PER_IDLE, MIN_CLAIM_PAUSE_S, MAX_CLAIM_PAUSE_S = 2, 0.05, 5.0
@@ -88,6 +94,8 @@ class WorkerSettings:
     jobs_stream: str | None = None  # default <key_prefix>:rebuild
     results_stream: str | None = None  # default <key_prefix>:results
     dead_stream: str | None = None  # default <key_prefix>:rebuild:dead
+    shards: int = 1  # job and result streams; submitters and trainers must use as many
+    cluster: bool = False  # the url names one node of a Redis Cluster
     # What a rebuild delivers and the least it may (token_id_capture's keys of the same name).
     delivery: str = "chain"
     min_delivered_fraction: float | None = None
@@ -104,6 +112,8 @@ class WorkerSettings:
         fraction = self.min_delivered_fraction
         if fraction is not None and not 0.0 <= fraction <= 1.0:
             raise ValueError(f"min_delivered_fraction must be within [0, 1], not {fraction}")
+        base = Streams(self.jobs_stream, self.results_stream, self.dead_stream)
+        self.shard_streams = k.shard_streams(base, self.shards, tagged=self.cluster)
 
 
 class RebuildWorker:
@@ -111,16 +121,17 @@ class RebuildWorker:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.client = aioredis.Redis.from_url(settings.url)
+        self.client = open_client(settings.url, settings.cluster)
         self.source = RedisTokenStore(
             url=settings.url,
             key_prefix=settings.key_prefix,
             durability=settings.durability,
             wait_timeout_ms=settings.wait_timeout_ms,
+            cluster=settings.cluster,
         )
-        # Proven once, by the store, at start; the worker's publish waits the same way.
-        self.durability = Durability.parse(settings.durability)
-        self.errors_key = k.job_errors_key(settings.jobs_stream)
+        self.jobs = JobShards(
+            self.client, settings.shard_streams, settings.group, settings.consumer
+        )
         self.counts = dict.fromkeys(
             (
                 "done",
@@ -136,8 +147,7 @@ class RebuildWorker:
             0,
         )
         self._stop = asyncio.Event()
-        self._in_flight: dict[asyncio.Task[None], str] = {}
-        self._claim_cursor = "0-0"
+        self._in_flight: dict[asyncio.Task[None], Job] = {}
 
     def stop(self) -> None:
         """Take no new jobs; ``run`` returns once the jobs in flight are finished."""
@@ -146,12 +156,20 @@ class RebuildWorker:
         self._stop.set()
 
     async def start(self) -> None:
-        """Check the server's durability and create the consumer group (idempotent)."""
-        self.durability = await self.source.check()
-        s = self.settings
-        await ensure_group(self.client, s.jobs_stream, s.group)
-        # Visible in XINFO CONSUMERS from the start, not only after its first job.
-        await self.client.xgroup_createconsumer(s.jobs_stream, s.group, s.consumer)
+        """Check the server's durability and create the consumer groups (idempotent).
+
+        A cluster replacing a master fails the group step for a while: it is tried again
+        (a store that cannot be reached at all has raised already).
+        """
+        await self.source.check()
+        while True:
+            try:
+                return await self.jobs.ensure_groups()
+            except TRANSIENT_ERRORS as exc:
+                if self._stop.is_set():
+                    raise
+                log.warning("cannot create the consumer groups (%s); retrying", exc)
+                await asyncio.sleep(READ_RETRY_PAUSE_S)
 
     async def run(self) -> None:
         """Process jobs until ``stop``; in-flight jobs always finish, even on an error."""
@@ -178,13 +196,13 @@ class RebuildWorker:
                 await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                jobs: list[tuple[str, Any, int]] = []
+                jobs: list[Job] = []
                 if time.monotonic() >= next_claim:
                     jobs = await self._claim_stale(free)
                     next_claim = time.monotonic() + claim_every
                 if not jobs:
-                    jobs = await self._read_new(free)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+                    jobs = await self.jobs.read_new(free, self.settings.block_ms)
+            except TRANSIENT_ERRORS as exc:
                 log.warning("cannot read jobs (%s); retrying in %g s", exc, READ_RETRY_PAUSE_S)
                 await asyncio.sleep(READ_RETRY_PAUSE_S)
                 continue
@@ -194,54 +212,23 @@ class RebuildWorker:
                 log.warning("the jobs stream or group was deleted; creating it again")
                 await self.start()
                 continue
-            for job_id, fields, deliveries in jobs:
-                task = asyncio.create_task(self._run_job(job_id, fields, deliveries))
-                self._in_flight[task] = job_id
+            for job in jobs:
+                task = asyncio.create_task(
+                    self._run_job(job.job_id, job.fields, job.deliveries, job.streams)
+                )
+                self._in_flight[task] = job
                 task.add_done_callback(self._in_flight.pop)
 
     async def close(self) -> None:
         await self.source.close()
         await self.client.aclose()
 
-    async def _read_new(self, count: int) -> list[tuple[str, Any, int]]:
-        s = self.settings
-        reply = await self.client.xreadgroup(
-            s.group, s.consumer, {s.jobs_stream: ">"}, count=count, block=s.block_ms
-        )
-        entries = reply[0][1] if reply else []
-        return [(as_text(job_id), fields, 1) for job_id, fields in entries]
-
-    async def _claim_stale(self, count: int) -> list[tuple[str, Any, int]]:
+    async def _claim_stale(self, count: int) -> list[Job]:
         """Take over jobs another consumer left pending for ``claim_idle_ms``."""
-        s = self.settings
-        reply = await self.client.xautoclaim(
-            s.jobs_stream,
-            s.group,
-            s.consumer,
-            s.claim_idle_ms,
-            start_id=self._claim_cursor,
-            count=count,
-        )
-        self._claim_cursor = as_text(reply[0])  # the next round goes on where this one ended
-        # A job still in flight here was only idle because a long build held the event loop;
-        # running it twice would be safe (publish once, drop idempotent) but wasteful.
-        mine = set(self._in_flight.values())
-        claimed = [
-            (as_text(job_id), fields) for job_id, fields in reply[1] if as_text(job_id) not in mine
-        ]
-        if not claimed:
-            return []
-        async with self.client.pipeline(transaction=False) as pipe:
-            for job_id, _ in claimed:
-                pipe.xpending_range(s.jobs_stream, s.group, min=job_id, max=job_id, count=1)
-            pending = await pipe.execute()
-        jobs = []
-        for (job_id, fields), info in zip(claimed, pending, strict=True):
-            if not info:
-                continue  # acked meanwhile by the worker it was taken from: it finished after all
-            deliveries = int(info[0]["times_delivered"])
-            log.info("claimed stale job %s (delivery %d)", job_id, deliveries)
-            jobs.append((job_id, fields, deliveries))
+        running = {job_key(job.streams, job.job_id) for job in self._in_flight.values()}
+        jobs = await self.jobs.claim_stale(count, self.settings.claim_idle_ms, running)
+        for job in jobs:
+            log.info("claimed stale job %s (delivery %d)", job.job_id, job.deliveries)
         return jobs
 
     async def _heartbeat(self) -> None:
@@ -250,21 +237,30 @@ class RebuildWorker:
         pause_s = max(s.claim_idle_ms / 1000 / HEARTBEATS_PER_IDLE, MIN_HEARTBEAT_PAUSE_S)
         while True:
             await asyncio.sleep(pause_s)
-            ids = list(self._in_flight.values())
-            if not ids:
+            jobs = list(self._in_flight.values())
+            if not jobs:
                 continue
             try:
-                await self.client.xclaim(s.jobs_stream, s.group, s.consumer, 0, ids, justid=True)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+                await self.jobs.touch(jobs)
+            except TRANSIENT_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
 
-    async def _run_job(self, job_id: str, fields: Any, deliveries: int) -> None:
+    def streams_of(self, rollout_id: str) -> Streams:
+        """The shard of a rollout: where its job was queued and its result is published."""
+        shards = self.settings.shard_streams
+        return shards[k.shard_of(rollout_id, len(shards))]
+
+    async def _run_job(
+        self, job_id: str, fields: Any, deliveries: int, streams: Streams | None = None
+    ) -> None:
         s = self.settings
+        streams = streams or s.shard_streams[0]
+        errors_key = k.job_errors_key(streams.jobs)
         try:
             if fields is None:
                 return  # deleted from the stream while pending; XAUTOCLAIM already dropped it
             if deliveries > s.max_attempts:
-                last = await self.client.hget(self.errors_key, job_id)
+                last = await self.client.hget(errors_key, job_id)
                 error = (
                     as_text(last) if last else "no error recorded: the worker holding it stopped"
                 )
@@ -273,11 +269,12 @@ class RebuildWorker:
                     fields,
                     f"gave up after {deliveries - 1} attempts; last error: {error}",
                     deliveries,
+                    streams,
                 )
                 return
-            await self.process(job_id, fields)
+            await self.process(job_id, fields, streams)
         except MalformedJobError as exc:
-            await self._dead_letter(job_id, fields, str(exc), deliveries)
+            await self._dead_letter(job_id, fields, str(exc), deliveries, streams)
         except Exception as exc:  # any other failure: keep the job pending, or give up
             self.counts["failed"] += 1
             error = f"{type(exc).__name__}: {exc}"
@@ -286,18 +283,21 @@ class RebuildWorker:
             )
             try:
                 if deliveries >= s.max_attempts:
-                    await self._dead_letter(job_id, fields, error, deliveries)
+                    await self._dead_letter(job_id, fields, error, deliveries, streams)
                 else:
-                    await self.client.hset(self.errors_key, job_id, error)
+                    await self.client.hset(errors_key, job_id, error)
             except Exception as inner:
                 log.error("could not record the failure of job %s: %s", job_id, inner)
 
-    async def process(self, job_id: str, fields: Mapping[Any, Any]) -> None:
+    async def process(
+        self, job_id: str, fields: Mapping[Any, Any], streams: Streams | None = None
+    ) -> None:
         """Rebuild one job's rollout, publish it once, retire it, ack the job.
 
         When the snapshot changed after its result was published (retire refused), the
         rollout is rebuilt and the new result supersedes the published one, a few rounds at
-        most; a rollout still changing after that is retried as a failed job.
+        most; a rollout still changing after that is retried as a failed job. ``streams``
+        is the shard the job was read from (by default, its rollout's).
         """
         for _ in range(REBUILD_ROUNDS):
             rollout_id, record = decode_job(fields)  # finalize mutates it: a fresh copy each round
@@ -309,7 +309,7 @@ class RebuildWorker:
             raise TransientJobError(
                 f"rollout {rollout_id} changed after each of {REBUILD_ROUNDS} rebuilds"
             )
-        await self._finish(job_id)
+        await self._finish(job_id, streams or self.streams_of(rollout_id))
         self.counts["done"] += 1
 
     async def _build(self, rollout_id: str, record: dict[str, Any]) -> RolloutBuild:
@@ -404,26 +404,27 @@ class RebuildWorker:
             job_id=job_id,
             worker=s.consumer,
         )
-        return await publish_once(
-            self.client,
-            self.durability,
-            ResultToPublish(s.results_stream, rollout_id, job_id, built, fields),
+        results = self.streams_of(rollout_id).results
+        return await publish_durably(
+            self.source,
+            ResultToPublish(results, rollout_id, job_id, built, fields),
             guard_ttl_s=s.guard_ttl_s,
         )
 
-    async def _finish(self, job_id: str) -> None:
-        """Ack and delete the job, and forget its errors, in one transaction."""
-        s = self.settings
+    async def _finish(self, job_id: str, streams: Streams) -> None:
+        """Ack and delete the job, and forget its errors, in one transaction (one slot)."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.xack(s.jobs_stream, s.group, job_id)
-            pipe.xdel(s.jobs_stream, job_id)
-            pipe.hdel(self.errors_key, job_id)
+            pipe.xack(streams.jobs, self.settings.group, job_id)
+            pipe.xdel(streams.jobs, job_id)
+            pipe.hdel(k.job_errors_key(streams.jobs), job_id)
             await pipe.execute()
 
-    async def _dead_letter(self, job_id: str, fields: Any, error: str, deliveries: int) -> None:
+    async def _dead_letter(
+        self, job_id: str, fields: Any, error: str, deliveries: int, streams: Streams
+    ) -> None:
         s = self.settings
         self.counts["dead"] += 1
-        log.error("job %s goes to %s: %s", job_id, s.dead_stream, error)
+        log.error("job %s goes to %s: %s", job_id, streams.dead, error)
         dead = {as_text(key): value for key, value in (fields or {}).items()}
         dead.update(
             job_id=job_id,
@@ -433,10 +434,10 @@ class RebuildWorker:
             failed_at=str(time.time()),
         )
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(s.dead_stream, dead)
-            pipe.xack(s.jobs_stream, s.group, job_id)
-            pipe.xdel(s.jobs_stream, job_id)
-            pipe.hdel(self.errors_key, job_id)
+            pipe.xadd(streams.dead, dead)
+            pipe.xack(streams.jobs, s.group, job_id)
+            pipe.xdel(streams.jobs, job_id)
+            pipe.hdel(k.job_errors_key(streams.jobs), job_id)
             await pipe.execute()
 
 

@@ -34,6 +34,52 @@ def connection_name(connection: AbstractConnection) -> str:
     return f"redis at {getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
 
 
+class Prover:
+    """The durability proof a new connection runs on itself before it is handed out.
+
+    ``durability`` is what the latest connection proved; ``proven`` keeps it per server
+    (on a Redis Cluster each master proves its own guarantee, and a failover may bring one
+    that proves another, or none).
+    """
+
+    def __init__(self, chosen: Durability, wait_timeout_ms: int) -> None:
+        self.chosen = chosen
+        self.wait_timeout_ms = wait_timeout_ms
+        self.durability: Durability | None = None
+        self.proven: dict[str, Durability] = {}
+
+    async def prove(self, connection: AbstractConnection) -> None:
+        """The handshake, then the proof on this very connection (see the module doc)."""
+        await connection.on_connect()
+        where = connection_name(connection)
+        if self.chosen.mode == "none":  # the explicit opt-out was logged once, at start-up
+            self.durability = self.proven[where] = self.chosen
+            return
+
+        async def execute(*args: Any) -> Any:
+            await connection.send_command(*args)
+            return await connection.read_response(disable_decoding=True)
+
+        try:
+            proven = await check_durability(
+                execute, self.chosen, where=where, wait_timeout_ms=self.wait_timeout_ms
+            )
+        except BaseException:
+            # Never hand out a connection that did not prove itself: redis-py would keep it
+            # connected, and the next user would skip the check.
+            await connection.disconnect()
+            raise
+        before = self.proven.get(where, self.durability)
+        if before is not None and proven != before:
+            log.warning(
+                "%s now meets the durability guarantee by %s (was %s)",
+                where,
+                proven.how or proven.mode,
+                before.how or before.mode,
+            )
+        self.durability = self.proven[where] = proven
+
+
 class ProvingConnections:
     """The client and its pool; ``durability`` is what the latest connection proved."""
 
@@ -48,9 +94,7 @@ class ProvingConnections:
         connect_timeout_s: float,
         wait_timeout_ms: int,
     ) -> None:
-        self.chosen = chosen
-        self.wait_timeout_ms = wait_timeout_ms
-        self.durability: Durability | None = None
+        self.prover = Prover(chosen, wait_timeout_ms)
         pool = BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
@@ -60,38 +104,10 @@ class ProvingConnections:
             # Retries are the store's (bounded, per operation); redis-py's own would hide
             # outages and reconnect without telling anyone.
             retry=Retry(NoBackoff(), 0),
-            redis_connect_func=self._connect,
+            redis_connect_func=self.prover.prove,
         )
         self.client = aioredis.Redis.from_pool(pool)
 
-    async def _connect(self, connection: AbstractConnection) -> None:
-        """The handshake, then the proof on this very connection (see the module doc)."""
-        await connection.on_connect()
-        if self.chosen.mode == "none":  # the explicit opt-out was logged once, at start-up
-            self.durability = self.chosen
-            return
-
-        async def execute(*args: Any) -> Any:
-            await connection.send_command(*args)
-            return await connection.read_response(disable_decoding=True)
-
-        try:
-            proven = await check_durability(
-                execute,
-                self.chosen,
-                where=connection_name(connection),
-                wait_timeout_ms=self.wait_timeout_ms,
-            )
-        except BaseException:
-            # Never hand out a connection that did not prove itself: redis-py would keep it
-            # connected, and the next user would skip the check.
-            await connection.disconnect()
-            raise
-        if self.durability is not None and proven != self.durability:
-            log.warning(
-                "%s now meets the durability guarantee by %s (was %s)",
-                connection_name(connection),
-                proven.how or proven.mode,
-                self.durability.how or self.durability.mode,
-            )
-        self.durability = proven
+    @property
+    def durability(self) -> Durability | None:
+        return self.prover.durability

@@ -12,7 +12,10 @@ a one-letter kind prefix, so a field name alone says what it holds.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Any, NamedTuple
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 DEFAULT_PREFIX = "tokcap"
 
@@ -88,6 +91,63 @@ class Streams(NamedTuple):
 def stream_names(key_prefix: str = DEFAULT_PREFIX) -> Streams:
     """(jobs, results, dead-letter) stream names for one key prefix."""
     return Streams(f"{key_prefix}:rebuild", f"{key_prefix}:results", f"{key_prefix}:rebuild:dead")
+
+
+MAX_SHARDS = 1024
+
+
+def shard_streams(base: Streams, shards: int = 1, *, tagged: bool = False) -> list[Streams]:
+    """The streams of each of ``shards`` shards, named after ``base``.
+
+    One untagged shard is ``base`` itself, the names single-node Redis has always used.
+    Otherwise shard ``i`` appends the hash tag ``{<tag i>}`` to each name, so its jobs, its
+    dead letters, its results and the worker's guards beside them share one Cluster slot
+    (the worker's transactions and its publish script span them), while the tags of
+    different shards fall in evenly spaced slots, so shards spread over the masters.
+    Every producer and consumer of one queue must be given the same number of shards.
+    """
+    columns = [shard_names(name, shards, tagged=tagged) for name in base]
+    return [Streams(*names) for names in zip(*columns, strict=True)]
+
+
+def shard_names(base: str, shards: int = 1, *, tagged: bool = False) -> list[str]:
+    """One stream name per shard (see ``shard_streams``): ``base``, or ``base:{<tag>}``."""
+    if not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be an integer within 1..{MAX_SHARDS}, got {shards!r}")
+    if shards == 1 and not tagged:
+        return [base]
+    if "{" in base or "}" in base:
+        raise ValueError(f"a sharded stream name must not hold braces (a hash tag): {base!r}")
+    return [f"{base}:{{{tag}}}" for tag in shard_tags(shards)]
+
+
+@lru_cache(maxsize=16)
+def shard_tags(shards: int) -> tuple[str, ...]:
+    """One hash tag per shard, shard ``i``'s in the ``i``-th of ``shards`` equal slot ranges.
+
+    ``redis-cli --cluster create`` gives each master one contiguous range, so with as many
+    shards as masters each master holds one; with more, they spread evenly.
+    """
+    tags = []
+    for index in range(shards):
+        wanted = range(
+            index * REDIS_CLUSTER_HASH_SLOTS // shards,
+            (index + 1) * REDIS_CLUSTER_HASH_SLOTS // shards,
+        )
+        number = 0
+        while key_slot(f"s{index}.{number}".encode()) not in wanted:
+            number += 1
+        tags.append(f"s{index}.{number}")
+    return tuple(tags)
+
+
+def shard_of(rollout_id: str, shards: int) -> int:
+    """The shard of a rollout's job and result: the slice of slots its hash lives in.
+
+    A function of the rollout id alone, so every submitter, every worker and every re-run
+    agree; with one shard per master, a rollout's job sits on the master of its hash.
+    """
+    return key_slot(rollout_id.encode()) * shards // REDIS_CLUSTER_HASH_SLOTS
 
 
 def job_errors_key(jobs_stream: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import NoScriptError, ResponseError
 
-from transports.redis.durability import Durability
+from transports.redis.durability import Durability, DurabilityError
 
 
 def pack(commands: Sequence[Sequence[Any]]) -> bytes:
@@ -157,3 +157,29 @@ def _fail(futures: list[Any], error: BaseException) -> None:
             future.cancel()
         else:
             future.set_exception(error)
+
+
+async def run_durably(
+    pool: ConnectionPool, commands: Sequence[Sequence[Any]], durability: Callable[[], Durability]
+) -> list[Any]:
+    """``commands`` then the durability wait, on one connection and in one round trip.
+
+    Returns the commands' replies once the wait confirmed them durable; an error reply of a
+    command is raised (after every reply was read, so the connection is clean).
+    """
+    connection = await pool.get_connection()
+    try:
+        proven = durability()  # asked once the connection is taken (it proved itself)
+        replies = await _send(connection, [*commands, *proven.wait])
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                raise reply
+        proven.verify(replies[len(commands) :])
+        return replies[: len(commands)]
+    except (ResponseError, DurabilityError):
+        raise  # every reply was read: the connection is clean
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -38,6 +40,8 @@ from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
 from transports.redis import keys as k
+from transports.redis.checks import check_call_id, check_limits, check_server, server_name
+from transports.redis.cluster import TOPOLOGY_ERRORS, ClusterConnections
 from transports.redis.connections import ProvingConnections
 from transports.redis.durability import Durability, check_durability
 from transports.redis.plans import (
@@ -52,7 +56,7 @@ from transports.redis.plans import (
 )
 from transports.redis.put import PUT_SCRIPT, PUT_SHA, KnownBlocks, Put
 from transports.redis.records import snapshot_of, split, summary_of
-from transports.redis.scripts import ScriptBatch
+from transports.redis.scripts import ScriptBatch, run_durably
 from transports.redis.watch import attempt, execute_raw
 
 T = TypeVar("T")
@@ -73,19 +77,15 @@ class ContentionError(TokenCaptureError):
     """A write lost the WATCH race more times than allowed; it was not applied."""
 
 
-def server_name(client: aioredis.Redis) -> str:
-    """Where a client connects, for messages: host and port or socket, never credentials."""
-    kwargs = client.connection_pool.connection_kwargs
-    if "path" in kwargs:
-        return f"redis at {kwargs['path']}"
-    return f"redis at {kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-
-
 class RedisTokenStore:
     """Token sink and source on Redis; see the module docstring for how it stays consistent.
 
     Keyword arguments only: ``url`` (``redis://``, ``rediss://`` for TLS, password in the URL)
-    or ``client`` (an existing ``redis.asyncio.Redis``, left open on close); ``key_prefix``;
+    or ``client`` (an existing ``redis.asyncio.Redis``, left open on close); ``cluster``
+    (the url names any one node of a Redis Cluster, ``transports.redis.cluster``; a
+    ``RedisCluster`` client that has not connected yet is taken as one), with
+    ``failover_timeout_s``, how long an operation keeps retrying while the cluster replaces
+    a lost master; ``key_prefix``;
     ``durability`` ("fsync", "replicas:N" or "none"); ``tombstone_ttl_s``; ``evidence_ttl_s``
     (how long a frozen rollout that is never retired, such as a masked one, is kept; None
     keeps it until ``delete``); socket, connect and durability-wait timeouts; ``max_retries``
@@ -114,9 +114,12 @@ class RedisTokenStore:
         block_size: int = BLOCK_SIZE,
         max_connections: int = 100,
         pool_timeout_s: float = 10.0,
+        cluster: bool = False,
+        failover_timeout_s: float = 15.0,
     ) -> None:
-        _check_server(url, client)
-        _check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
+        cluster = cluster or isinstance(client, RedisCluster)
+        check_server(url, client, cluster)
+        check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
         self._url = url
         self._client = client
         self._owns_client = client is None
@@ -134,12 +137,15 @@ class RedisTokenStore:
         self._max_connections = max_connections
         self._pool_timeout_s = pool_timeout_s
         self._connections: ProvingConnections | None = None  # None for a client passed in
+        self.cluster = cluster
+        self._cluster: ClusterConnections | None = None
+        self._failover_timeout_s = failover_timeout_s
         self._memo = ChainMemo()  # re-encodes only what a rollout's next call adds
         self._lock = asyncio.Lock()
         self._closed = False
         # Saves asking about blocks this process already wrote (see transports.redis.put).
         self._known = KnownBlocks(_KNOWN_ROLLOUTS)
-        self._puts: ScriptBatch | None = None  # puts ready at once share a round trip
+        self._puts: dict[Any, ScriptBatch] = {}  # per pool: puts ready at once share a trip
 
     # -- connection and start-up ---------------------------------------------------------
 
@@ -174,6 +180,8 @@ class RedisTokenStore:
 
     async def _prove(self) -> Durability:
         """The first proof: a connection of our own pool proves itself as it opens."""
+        if self.cluster:
+            return await self._prove_cluster()
         if self._client is None:
             self._connections = self._make_connections()
             self._client = self._connections.client
@@ -190,6 +198,30 @@ class RedisTokenStore:
         return await check_durability(
             execute, self._chosen, where=self.where, wait_timeout_ms=self._wait_timeout_ms
         )
+
+    async def _prove_cluster(self) -> Durability:
+        """Every master proves the guarantee on a connection of its own (see cluster.py)."""
+        if self._cluster is None:
+            self._cluster = ClusterConnections(
+                self._chosen,
+                url=self._url,
+                client=self._client,
+                max_connections=self._max_connections,
+                pool_timeout_s=self._pool_timeout_s,
+                socket_timeout_s=self._socket_timeout_s,
+                connect_timeout_s=self._connect_timeout_s,
+                wait_timeout_ms=self._wait_timeout_ms,
+            )
+            self._client = self._cluster.client
+        masters = await self._cluster.start()
+        return masters[0].durability()
+
+    def _route(self, key: str) -> tuple[Any, Callable[[], Durability]]:
+        """The pool that serves ``key`` and the guarantee its connections proved."""
+        if self._cluster is not None:
+            pool = self._cluster.pool_for(key)
+            return pool, pool.durability
+        return self._client.connection_pool, self._current_durability
 
     def _current_durability(self) -> Durability:
         """What the latest connection proved (a server may come back configured otherwise)."""
@@ -212,6 +244,8 @@ class RedisTokenStore:
         self._closed = True
         if self._owns_client and self._client is not None:
             await self._client.aclose()
+        elif self._cluster is not None:  # a client passed in keeps running, minus our pools
+            self._client.connection_kwargs.pop("redis_connect_func", None)
 
     async def _retrying(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run ``operation``; on a connection failure retry it a bounded number of times.
@@ -220,28 +254,51 @@ class RedisTokenStore:
         lost finds its own digest on the retry and returns as a no-op.
         """
         last: Exception | None = None
-        for tries in range(self._max_retries + 1):
+        # A cluster replacing a lost master is unreachable for a while (its node timeout,
+        # then an election): keep trying that long, on a fresh slot map each time.
+        deadline = time.monotonic() + (self._failover_timeout_s if self.cluster else 0)
+        tries = 0
+        while True:
             try:
                 return await operation()
             except AuthenticationError:
                 raise  # wrong credentials do not get better by retrying
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS) as exc:
                 last = exc
-                if tries < self._max_retries:
-                    await asyncio.sleep(min(RETRY_PAUSE_S * 2**tries, RETRY_MAX_PAUSE_S))
+            except ConfigError as exc:
+                if not (self.cluster and self.durability is not None):
+                    raise
+                # A master promoted after start that cannot prove the guarantee yet (with
+                # replicas:N, until its lost peer is back as its replica): wait for it.
+                last = exc
+            tries += 1
+            if tries > self._max_retries and time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(RETRY_PAUSE_S * 2 ** min(tries - 1, 8), RETRY_MAX_PAUSE_S))
+            if self._cluster is not None:
+                await self._refresh()
         raise RedisUnavailableError(
-            f"{self.where} unreachable after {self._max_retries + 1} attempts: {last}"
+            f"{self.where} unreachable after {tries} attempts: {last}"
         ) from last
+
+    async def _refresh(self) -> None:
+        """Read the cluster's slot map again; a failure is the next attempt's to report."""
+        try:
+            await self._cluster.refresh()
+        except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS):
+            pass
 
     async def _transact(self, rollout_id: str, operation: Operation) -> Any:
         """Run ``operation`` on the rollout as a transaction until it wins the race."""
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        pool = self._client.connection_pool
+
+        async def once() -> Any:
+            pool, durability = self._route(key)  # asked again on each try: a slot may move
+            return await attempt(pool, key, operation, durability)
+
         for lost in range(self._max_watch_retries):
-            plan = await self._retrying(
-                lambda: attempt(pool, key, operation, self._current_durability)
-            )
+            plan = await self._retrying(once)
             if plan is not None:
                 if plan.error is not None:
                     raise plan.error
@@ -267,14 +324,10 @@ class RedisTokenStore:
         rollout_id = entry.rollout_id
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        if self._puts is None:
-            pool = self._client.connection_pool
-            self._puts = ScriptBatch(pool, PUT_SCRIPT, PUT_SHA, self._current_durability)
-        puts = self._puts
         attempt = Put.plan(encoded, self._known.get(rollout_id))
         for _ in range(self._max_watch_retries):
             reply, waited, proven = await self._retrying(
-                lambda attempt=attempt: puts.run(key, attempt.args)
+                lambda attempt=attempt: self._batch(key).run(key, attempt.args)
             )
             outcome, _, epoch = reply.partition(b" ") if type(reply) is bytes else (b"", b"", b"")
             if outcome in (b"stored", b"same"):
@@ -304,23 +357,31 @@ class RedisTokenStore:
             f"call {entry.model_call_id}"
         )
 
+    def _batch(self, key: str) -> ScriptBatch:
+        """The put batch of the pool serving ``key`` (on a cluster, one per master)."""
+        pool, durability = self._route(key)
+        batch = self._puts.get(pool)
+        if batch is None:
+            batch = self._puts[pool] = ScriptBatch(pool, PUT_SCRIPT, PUT_SHA, durability)
+        return batch
+
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably note a lost call; allowed after freeze and drop (it advances the version)."""
         await self._transact(rollout_id, MarkIncomplete(model_call_id))
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durable intent before dispatch: without an entry at freeze, the rollout is incomplete."""
-        _check_call_id(model_call_id)
+        check_call_id(model_call_id)
         await self._transact(rollout_id, SetIntent(rollout_id, model_call_id, k.INTENT_OPEN))
 
     async def void_call(self, rollout_id: str, model_call_id: str) -> None:
         """Resolve a pending intent of a call that returned nothing (not a loss)."""
-        _check_call_id(model_call_id)
+        check_call_id(model_call_id)
         await self._transact(rollout_id, SetIntent(rollout_id, model_call_id, k.INTENT_VOID))
 
     async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
         """Note that the harness never received this call's reply; refused after freeze."""
-        _check_call_id(model_call_id)
+        check_call_id(model_call_id)
         await self._transact(rollout_id, MarkUnreceived(rollout_id, model_call_id))
 
     # -- source --------------------------------------------------------------------------
@@ -340,13 +401,38 @@ class RedisTokenStore:
         """Remove everything of one rollout, tombstone included (administrative)."""
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        await self._retrying(lambda: execute_raw(self._client.connection_pool, "DEL", key))
+        await self._retrying(lambda: execute_raw(self._route(key)[0], "DEL", key))
+
+    async def run_durably(self, key: str, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Run ``commands`` (all on ``key``'s slot) and the durability wait after them on one
+        connection of the server that holds ``key``; their replies, once durable.
+
+        For writes that are safe to repeat (the rebuild worker's publish script): a
+        connection failure is retried like every operation of the store.
+        """
+        await self.check()
+
+        async def once() -> list[Any]:
+            pool, durability = self._route(key)
+            return await run_durably(pool, commands, durability)
+
+        return await self._retrying(once)
 
     async def sweep_tombstones(self, older_than_s: float | None = None) -> int:
         """Delete tombstones retired more than ``older_than_s`` ago (default: the TTL)."""
         await self.check()
         limit = self.tombstone_ttl_s if older_than_s is None else older_than_s
-        pool = self._client.connection_pool
+        # A cluster's keys are spread over its masters: each is scanned in turn.
+        if self._cluster is not None:
+            pools = [pool for pool in self._cluster.masters()]
+        else:
+            pools = [self._client.connection_pool]
+        swept = 0
+        for pool in pools:
+            swept += await self._sweep_one_server(pool, limit)
+        return swept
+
+    async def _sweep_one_server(self, pool: Any, limit: float) -> int:
         pattern = k.rollout_pattern(self.key_prefix)
         swept, cursor = 0, b"0"
         while True:
@@ -387,45 +473,7 @@ class RedisTokenStore:
         """Every field of the rollout's hash, read once without changing it."""
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        return pairs(
-            await self._retrying(lambda: execute_raw(self._client.connection_pool, "HGETALL", key))
-        )
-
-
-def _check_server(url: str | None, client: aioredis.Redis | None) -> None:
-    if (url is None) == (client is None):
-        raise ConfigError("RedisTokenStore needs exactly one of url= or client=")
-    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(  # the URL may carry a password: show its scheme only
-            f"url must start with redis://, rediss:// or unix://, got {url.split(':')[0]!r}"
-        )
-    if client is not None and not hasattr(client, "connection_pool"):
-        raise ConfigError(
-            f"client must be a redis.asyncio.Redis (one node, or a proxy in front of a "
-            f"cluster), got {type(client).__name__}"
-        )
-
-
-def _check_limits(
-    key_prefix: str,
-    tombstone_ttl_s: float,
-    evidence_ttl_s: float | None,
-    max_connections: int,
-    pool_timeout_s: float,
-) -> None:
-    if max_connections < 1 or pool_timeout_s <= 0:
-        raise ConfigError("max_connections must be >= 1 and pool_timeout_s > 0")
-    if tombstone_ttl_s <= 0:
-        raise ConfigError("tombstone_ttl_s must be > 0")
-    if evidence_ttl_s is not None and evidence_ttl_s <= 0:
-        raise ConfigError("evidence_ttl_s must be > 0, or None to keep frozen rollouts")
-    if not key_prefix or "{" in key_prefix or "}" in key_prefix:
-        raise ConfigError("key_prefix must be non-empty and contain no braces")
-
-
-def _check_call_id(model_call_id: str) -> None:
-    if not isinstance(model_call_id, str) or not model_call_id:
-        raise ValueError("model_call_id must be a non-empty string")
+        return pairs(await self._retrying(lambda: execute_raw(self._route(key)[0], "HGETALL", key)))
 
 
 RedisTokenSink = RedisTokenStore
