@@ -85,7 +85,10 @@ def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
     proc = compose_config(tmp_path, **SECRETS)
     assert proc.returncode == 0, proc.stderr
     resolved = yaml.safe_load(proc.stdout)
-    assert set(resolved["services"]) == SERVICES
+    # docker compose v2 leaves out the services of profiles not asked for; docker-compose
+    # 1.x prints them with their profiles, and starts them only when asked.
+    default = {name for name, spec in resolved["services"].items() if not spec.get("profiles")}
+    assert default == SERVICES
     # The defaults were filled in: the tool resolved the variables, not left them raw.
     engine_command = resolved["services"]["engine"]["command"]
     assert "${" not in " ".join(engine_command)

@@ -36,6 +36,7 @@ from transports.rebuild.jobs import (
     decode_job,
     encode_job,
 )
+from transports.rebuild.layout import QueueLayoutError
 from transports.rebuild.results import (
     ResultsReader,
     compact_record,
@@ -312,3 +313,37 @@ async def test_inspect_command_reads_a_file_store(tmp_path) -> None:
     assert info["state"] == "frozen" and info["calls"] == 2 and info["generated_tokens"] == 12
     missing = await asyncio.to_thread(_cli, "inspect", "file-1", "--dir", str(tmp_path / "nope"))
     assert missing.returncode == 1 and "not a directory" in missing.stderr
+
+
+async def test_a_queue_refuses_a_second_shard_layout(
+    redis_url: str, redis_prefix: str, tmp_path
+) -> None:
+    """Submitter, workers and trainer given different shards would stall without a word."""
+    await populate(redis_url, redis_prefix, ["lay-1"], turns=2)
+    jobs, results, _ = stream_names(redis_prefix)
+    async with RebuildQueue(url=redis_url, stream=jobs, shards=2) as queue:
+        await queue.submit(finished_record("lay-1"))
+    worker = RebuildWorker(WorkerSettings(url=redis_url, key_prefix=redis_prefix, shards=3))
+    try:
+        with pytest.raises(QueueLayoutError, match="has 2 shards, but this worker was given 3"):
+            await worker.start()
+    finally:
+        await worker.close()
+    async with RebuildQueue(url=redis_url, stream=jobs, shards=2) as queue:
+        await queue.submit(finished_record("lay-1"))  # the same layout goes on
+    # A worker with the queue's layout records it for the results too; a trainer reading
+    # one stream is then told, and so is a submitter with another count.
+    worker = RebuildWorker(WorkerSettings(url=redis_url, key_prefix=redis_prefix, shards=2))
+    try:
+        await worker.start()
+        async with ResultsReader(url=redis_url, stream=results, group="t") as reader:
+            with pytest.raises(QueueLayoutError, match=f"delete {results}.layout"):
+                await reader.read(block_ms=10)
+    finally:
+        await worker.close()
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(finished_record("lay-1")))
+    done = await asyncio.to_thread(
+        _cli, "submit", "--url", redis_url, "--key-prefix", redis_prefix, str(path)
+    )
+    assert done.returncode == 2 and "has 2 shards, but this submitter was given 1" in done.stderr

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from capture.rollout_ids import rollout_id_from_run_body
+from transports.rebuild.layout import agree_on_layout
 from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 
 JOB_FORMAT_VERSION = 1
@@ -120,6 +121,8 @@ class RebuildQueue:
         self._owns_client = client is None
         self.client = client if client is not None else open_client(url, cluster)
         self.stream = self.streams[0]
+        self._base, self._cluster = stream, cluster
+        self._layout_agreed = False
 
     def stream_of(self, rollout_id: str) -> str:
         """The jobs stream (shard) that takes this rollout's jobs."""
@@ -128,6 +131,10 @@ class RebuildQueue:
     async def submit(self, record: Mapping[str, Any]) -> str:
         """Queue one record on its rollout's shard; returns the job id (the entry id)."""
         fields = encode_job(record)
+        if not self._layout_agreed:
+            shards = len(self.streams)
+            await agree_on_layout(self.client, self._base, shards, self._cluster, "submitter")
+            self._layout_agreed = True
         job_id = await self.client.xadd(self.stream_of(fields["rollout_id"]), fields)
         return as_text(job_id)
 

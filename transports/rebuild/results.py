@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from capture.codec.views import IdView, json_default, shares_prefix
+from transports.rebuild.layout import agree_on_layout
 from transports.redis.keys import as_text, stream_names
 
 RESULT_ID_KEY = "_ng_result_id"
@@ -178,9 +179,13 @@ class ResultsReader:
         count: int = 16,
         claim_idle_ms: int | None = 60_000,
         delete_acked: bool = True,
+        check_layout: bool = True,
     ) -> None:
         if (url is None) == (client is None):
             raise ValueError("ResultsReader needs exactly one of url= or client=")
+        # A stream of its own is a queue of one shard (``transports.rebuild.layout``); a
+        # shard of a sharded reader is checked by that reader, as its whole queue.
+        self._check_layout = check_layout
         self.delete_acked = delete_acked
         self._owns_client = client is None
         self.client = client if client is not None else aioredis.Redis.from_url(url)
@@ -202,6 +207,8 @@ class ResultsReader:
         """Up to ``count`` records (own pending first, then claimed, then new); [] on timeout."""
         count = count or self.count
         if not self._group_ready:
+            if self._check_layout:
+                await agree_on_layout(self.client, self.stream, 1, False, "results reader")
             await ensure_group(self.client, self.stream, self.group)
             self._group_ready = True
         if self._pending_cursor is not None:

@@ -20,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from capture.rollout_ids import rollout_id_from_run_body
 from transports.rebuild.jobs import open_client
+from transports.rebuild.layout import agree_on_layout
 from transports.rebuild.results import RESULT_ID_KEY, ResultsReader
 from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 
@@ -67,12 +68,15 @@ class ShardedResultsReader:
                 count=count,
                 claim_idle_ms=claim_idle_ms,
                 delete_acked=delete_acked,
+                check_layout=False,  # the queue's layout is this reader's to check
             )
             for name in self.streams
         ]
         self.block_ms = block_ms
         self.count = count
         self._turn = 0
+        self._layout = (stream, shards, cluster)
+        self._layout_agreed = False
         self._from: dict[str, ResultsReader] = {}  # result id -> the shard that handed it out
         self._buffer: list[dict[str, Any]] = []
 
@@ -81,6 +85,9 @@ class ShardedResultsReader:
     ) -> list[dict[str, Any]]:
         """Up to ``count`` records from the shards; [] when all stayed empty."""
         count = count or self.count
+        if not self._layout_agreed:
+            await agree_on_layout(self.client, *self._layout, "results reader")
+            self._layout_agreed = True
         block = self.block_ms if block_ms is None else block_ms
         start = self._turn % len(self.readers)
         self._turn += 1

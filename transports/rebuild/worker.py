@@ -48,6 +48,7 @@ from capture.delivery import (
 )
 from capture.retention import TOMBSTONE_TTL_S
 from transports.rebuild.jobs import MalformedJobError, decode_job, open_client
+from transports.rebuild.layout import agree_on_layout
 from transports.rebuild.publish import Published, ResultToPublish, publish_durably
 from transports.rebuild.results import encode_result
 from transports.rebuild.shards import Job, JobShards, job_key
@@ -162,8 +163,13 @@ class RebuildWorker:
         (a store that cannot be reached at all has raised already).
         """
         await self.source.check()
+        settings = self.settings
         while True:
             try:
+                for stream in (settings.jobs_stream, settings.results_stream):
+                    await agree_on_layout(
+                        self.client, stream, settings.shards, settings.cluster, "worker"
+                    )
                 return await self.jobs.ensure_groups()
             except TRANSIENT_ERRORS as exc:
                 if self._stop.is_set():
