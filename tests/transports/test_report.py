@@ -21,6 +21,7 @@ from typing import Any
 import matplotlib.image
 import pytest
 import redis.asyncio as aioredis
+from redis.cluster import RedisCluster
 
 from capture.delivery import RolloutBuild
 from capture.summary import RolloutSummary
@@ -36,7 +37,7 @@ from transports.cli.report import (
 from transports.rebuild.publish import ResultToPublish, publish_once
 from transports.rebuild.results import encode_result
 from transports.redis.durability import Durability
-from transports.redis.keys import stream_names
+from transports.redis.keys import shard_names, shard_of, stream_names
 
 SEGMENTS = [
     {"role": role, "calls": [f"c{i}"], "output": [], "metrics": {}}
@@ -347,3 +348,29 @@ async def test_report_reads_the_results_stream(redis_url: str, redis_prefix: str
         await client.aclose()
     assert report_cli.main(["--url", redis_url, "--stream", results + ":none"]) == 2
     assert "the trainer deletes the results" in capsys.readouterr().err
+
+
+def test_report_reads_every_shard_of_a_cluster(redis_cluster, redis_prefix: str) -> None:
+    """Workers with --cluster --shards 3 publish each result on its rollout's shard."""
+    results = stream_names(redis_prefix).results
+    names = shard_names(results, 3, tagged=True)
+    rollouts = [f"r{index}" for index in range(12)]
+    assert {shard_of(rollout, 3) for rollout in rollouts} == {0, 1, 2}  # every shard holds some
+    client = RedisCluster.from_url(redis_cluster.url)
+    try:
+        client.set(f"{results}.layout", "3 cluster")  # as the workers recorded it
+        for rollout in rollouts:
+            body = record(rollout, delivered(1, 1, 10, 10))
+            fields = encode_result(body, rollout_id=rollout, version=1)
+            client.xadd(names[shard_of(rollout, 3)], fields)
+    finally:
+        client.close()
+    where = ["--url", redis_cluster.url, "--key-prefix", redis_prefix, "--cluster"]
+    done = _report(*where, "--shards", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["rollouts"] == 12
+    # One shard would read only the first shard's results: the recorded layout says so.
+    one = _report(*where, "--json")
+    assert one.returncode == 2 and "has 3 shards with cluster names" in one.stderr
+    bad = _report(*where, "--shards", "0")
+    assert bad.returncode == 2 and "--shards must be within 1..1024" in bad.stderr

@@ -30,9 +30,10 @@ from capture.delivery import METRICS_KEY
 from capture.rollout_ids import rollout_id_from_run_body
 from capture.summary import SUMMARY_KEYS
 from tokcap.help import verb_main
-from transports.cli.redis_url import URL_ENV
+from transports.cli.redis_url import URL_ENV, add_cluster_argument
+from transports.rebuild.layout import layout_key, mismatch
 from transports.rebuild.results import decode_result
-from transports.redis.keys import DEFAULT_PREFIX, as_text, stream_names
+from transports.redis.keys import DEFAULT_PREFIX, MAX_SHARDS, as_text, shard_names, stream_names
 
 SEGMENTS_KEY = "_ng_token_segments"
 CHAIN_BINS = ("0", "1", "2", "3", "4+")
@@ -288,26 +289,39 @@ def _json_object(line: str, where: str) -> dict[str, Any]:
     return value
 
 
-def read_stream(url: str, stream: str) -> Iterator[dict[str, Any]]:
-    """Every result on the stream, oldest first, decoded as ``ResultsReader`` decodes them.
+def read_stream(
+    url: str, stream: str, shards: int = 1, cluster: bool = False
+) -> Iterator[dict[str, Any]]:
+    """Every result on the stream (each of its shards in turn), oldest first, decoded as
+    ``ResultsReader`` decodes them.
 
     XRANGE reads without a consumer group, so nothing is claimed or acknowledged; results the
-    trainer already acknowledged were deleted by it and are not seen.
+    trainer already acknowledged were deleted by it and are not seen. A rollout's results
+    are all on one shard, so its latest still wins.
     """
     import redis
+    from redis.cluster import RedisCluster
 
-    client = redis.Redis.from_url(url)
+    client = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     try:
-        start = "-"
-        while entries := client.xrange(stream, min=start, count=_STREAM_PAGE):
-            for entry_id, fields in entries:
-                try:
-                    yield decode_result(entry_id, fields)
-                except Exception as exc:
-                    raise BadInput(f"{stream} entry {as_text(entry_id)}: {exc}") from exc
-            start = "(" + as_text(entries[-1][0])
+        problem = mismatch(stream, client.get(layout_key(stream)), shards, cluster, "report")
+        if problem is not None:
+            raise BadInput(problem)
+        for name in shard_names(stream, shards, tagged=cluster):
+            yield from _read_one(client, name)
     finally:
         client.close()
+
+
+def _read_one(client: Any, stream: str) -> Iterator[dict[str, Any]]:
+    start = "-"
+    while entries := client.xrange(stream, min=start, count=_STREAM_PAGE):
+        for entry_id, fields in entries:
+            try:
+                yield decode_result(entry_id, fields)
+            except Exception as exc:
+                raise BadInput(f"{stream} entry {as_text(entry_id)}: {exc}") from exc
+        start = "(" + as_text(entries[-1][0])
 
 
 # -- views -------------------------------------------------------------------------------
@@ -458,6 +472,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream",
         help=f"results stream, if not named by the prefix (default {stream_names().results})",
     )
+    add_cluster_argument(parser)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="the workers' --shards: read every shard of the results stream (default 1)",
+    )
     parser.add_argument(
         "--png", metavar="PATH", help="also draw the histograms into this PNG (default: none)"
     )
@@ -476,7 +497,10 @@ def _records(args: argparse.Namespace) -> tuple[Iterator[dict[str, Any]], str]:
             f"give a FILE (or - for stdin) or --url URL (or set {URL_ENV}) for the results stream"
         )
     stream = args.stream or stream_names(args.key_prefix).results
-    return read_stream(url, stream), f"stream {stream}"
+    if not 1 <= args.shards <= MAX_SHARDS:
+        raise BadInput(f"--shards must be within 1..{MAX_SHARDS}, not {args.shards}")
+    where = f"stream {stream}" + (f" ({args.shards} shards)" if args.shards > 1 else "")
+    return read_stream(url, stream, args.shards, args.cluster), where
 
 
 def run(args: argparse.Namespace) -> int:

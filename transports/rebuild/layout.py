@@ -34,14 +34,22 @@ def _words(value: str) -> str:
     return f"{shards} shard{plural}" + (" with cluster names" if kind == "cluster" else "")
 
 
+def mismatch(stream: str, have: Any, shards: int, cluster: bool, who: str) -> str | None:
+    """Why a process given this layout must not use the queue recorded as ``have``."""
+    have, want = as_text(have or b""), layout_value(shards, cluster)
+    if not have or have == want:
+        return None
+    return (
+        f"the queue {stream} has {_words(have)}, but this {who} was given {_words(want)}: "
+        "give every submitter, worker and trainer of a queue the same --shards and "
+        f"--cluster (to change the layout, drain the queue and delete {layout_key(stream)})"
+    )
+
+
 async def agree_on_layout(client: Any, stream: str, shards: int, cluster: bool, who: str) -> None:
     """Record this layout for the queue of ``stream`` unless one is there; refuse another."""
-    key, want = layout_key(stream), layout_value(shards, cluster)
-    await client.set(key, want, nx=True)
-    have = as_text(await client.get(key) or b"")
-    if have and have != want:
-        raise QueueLayoutError(
-            f"the queue {stream} has {_words(have)}, but this {who} was given {_words(want)}: "
-            "give every submitter, worker and trainer of a queue the same --shards and "
-            f"--cluster (to change the layout, drain the queue and delete {key})"
-        )
+    key = layout_key(stream)
+    await client.set(key, layout_value(shards, cluster), nx=True)
+    problem = mismatch(stream, await client.get(key), shards, cluster, who)
+    if problem is not None:
+        raise QueueLayoutError(problem)
