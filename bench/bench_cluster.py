@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_capture import FINAL_ANSWER, synthetic_rollout
+from bench.bench_redis import child_load
 from tokcap.processes import stop_process
 from tokcap.redis_cluster import LocalCluster
 from tokcap.redis_server import RedisServer
@@ -55,25 +56,6 @@ class Target:
 
 
 # -- durable puts/s, one child process per load process ---------------------------------
-
-
-async def child_load(url: str, cluster: bool, prefix: str, rollouts: int, turns: int) -> dict:
-    """``rollouts`` rollouts at once, each putting its calls in order, after a "go" line."""
-    work = [synthetic_rollout(f"load-{n}", turns, seed=n) for n in range(rollouts)]
-    store = RedisTokenStore(url=url, cluster=cluster, key_prefix=prefix)
-    await store.check()
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-
-    async def one(entries: list[Any]) -> None:
-        for entry in entries:
-            await store.put(entry)
-
-    started = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
-    await asyncio.gather(*(one(entries) for entries in work))
-    ended = time.monotonic()
-    await store.close()
-    return {"puts": rollouts * turns, "started": started, "ended": ended}
 
 
 def _child(*args: str) -> subprocess.Popen:
@@ -221,7 +203,7 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         url, flag, prefix, rollouts, turns = sys.argv[2:]
-        reply = asyncio.run(child_load(url, flag == "1", prefix, int(rollouts), int(turns)))
+        reply = asyncio.run(child_load(url, prefix, int(rollouts), int(turns), flag == "1"))
         print(json.dumps(reply), flush=True)
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

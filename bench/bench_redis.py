@@ -130,10 +130,16 @@ async def child_put(url: str, prefix: str, trials: int) -> dict[str, Any]:
     return {"put_ms": put_ms, "hset_ms": hset_ms, "fields": len(written), "bytes": size}
 
 
-async def child_load(url: str, prefix: str, rollouts: int, turns: int) -> dict[str, Any]:
-    """``rollouts`` rollouts at once, each putting its calls in order, after a "go" line."""
+async def child_load(
+    url: str, prefix: str, rollouts: int, turns: int, cluster: bool = False
+) -> dict[str, Any]:
+    """``rollouts`` rollouts at once, each putting its calls in order, after a "go" line.
+
+    ``cluster`` is passed only when set, so a baseline tree from before Cluster runs this too.
+    """
     work = [synthetic_rollout(f"load-{n}", turns, seed=n) for n in range(rollouts)]
-    store = RedisTokenStore(url=url, key_prefix=prefix)
+    on_cluster = {"cluster": True} if cluster else {}
+    store = RedisTokenStore(url=url, key_prefix=prefix, **on_cluster)
     await store.check()
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
