@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 import redis.asyncio as aioredis
@@ -157,7 +157,48 @@ async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
             raise
 
 
-class ResultsReader:
+def result_id_of(record_or_id: Mapping[str, Any] | str | bytes) -> str:
+    """The result id of a record a reader handed out, or the id itself."""
+    if isinstance(record_or_id, Mapping):
+        result_id = record_or_id.get(RESULT_ID_KEY)
+        if result_id is None:
+            raise ValueError(f"record has no {RESULT_ID_KEY}; was it read by a ResultsReader?")
+        return as_text(result_id)
+    return as_text(record_or_id)
+
+
+class BufferedReader:
+    """What every results reader shares: async iteration over ``read`` batches, and closing
+    the client it opened itself (``_owns_client``) as an async context manager."""
+
+    client: Any
+    _owns_client: bool
+    _buffer: list[dict[str, Any]]
+
+    async def read(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        while not self._buffer:
+            self._buffer = await self.read()
+        return self._buffer.pop(0)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()
+            self._owns_client = False
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class ResultsReader(BufferedReader):
     """Async iterator over rebuilt records; ``ack`` each once the trainer's handoff is durable.
 
     It first re-reads this consumer's own unacknowledged records (a restarted trainer with the
@@ -253,13 +294,7 @@ class ResultsReader:
 
     async def ack(self, record_or_id: Mapping[str, Any] | str | bytes) -> bool:
         """Acknowledge one record (or its result id): it will not be delivered again."""
-        if isinstance(record_or_id, Mapping):
-            result_id = record_or_id.get(RESULT_ID_KEY)
-            if result_id is None:
-                raise ValueError(f"record has no {RESULT_ID_KEY}; was it read by a ResultsReader?")
-        else:
-            result_id = record_or_id
-        result_id = as_text(result_id)
+        result_id = result_id_of(record_or_id)
         self._outstanding.discard(result_id)
         if not self.delete_acked:
             return bool(await self.client.xack(self.stream, self.group, result_id))
@@ -268,22 +303,3 @@ class ResultsReader:
             pipe.xdel(self.stream, result_id)
             acked, _ = await pipe.execute()
         return bool(acked)
-
-    def __aiter__(self) -> ResultsReader:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        while not self._buffer:
-            self._buffer = await self.read()
-        return self._buffer.pop(0)
-
-    async def close(self) -> None:
-        if self._owns_client:
-            await self.client.aclose()
-            self._owns_client = False
-
-    async def __aenter__(self) -> ResultsReader:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

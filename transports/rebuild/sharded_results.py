@@ -21,7 +21,12 @@ from redis.asyncio.cluster import RedisCluster
 from capture.rollout_ids import rollout_id_from_run_body
 from transports.rebuild.jobs import open_client
 from transports.rebuild.layout import agree_on_layout
-from transports.rebuild.results import RESULT_ID_KEY, ResultsReader
+from transports.rebuild.results import (
+    RESULT_ID_KEY,
+    BufferedReader,
+    ResultsReader,
+    result_id_of,
+)
 from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 
 # How long a look at one shard waits while others remain to be looked at (1 ms is the
@@ -29,7 +34,7 @@ from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 GLANCE_MS = 1
 
 
-class ShardedResultsReader:
+class ShardedResultsReader(BufferedReader):
     """``ResultsReader`` over all shards: ``read``, ``ack``, async iteration, ``close``.
 
     ``stream`` is the base of the shards' names; ``shards`` and ``cluster`` must be the
@@ -104,17 +109,12 @@ class ShardedResultsReader:
 
     async def ack(self, record_or_id: Mapping[str, Any] | str | bytes) -> bool:
         """Acknowledge one record (or its result id) on the shard it came from."""
+        result_id = result_id_of(record_or_id)
         reader = None
         if isinstance(record_or_id, Mapping):
-            result_id = record_or_id.get(RESULT_ID_KEY)
-            if result_id is None:
-                raise ValueError(f"record has no {RESULT_ID_KEY}; was it read by a reader?")
             rollout_id = rollout_id_from_run_body(record_or_id)
             if rollout_id is not None:
                 reader = self.readers[shard_of(rollout_id, len(self.readers))]
-        else:
-            result_id = record_or_id
-        result_id = as_text(result_id)
         handed = self._from.pop(result_id, None)
         reader = reader or handed
         if reader is None:
@@ -122,22 +122,3 @@ class ShardedResultsReader:
                 raise ValueError(f"result {result_id} was not read here: pass the record")
             reader = self.readers[0]
         return await reader.ack(result_id)
-
-    def __aiter__(self) -> ShardedResultsReader:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        while not self._buffer:
-            self._buffer = await self.read()
-        return self._buffer.pop(0)
-
-    async def close(self) -> None:
-        if self._owns_client:
-            await self.client.aclose()
-            self._owns_client = False
-
-    async def __aenter__(self) -> ShardedResultsReader:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
