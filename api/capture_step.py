@@ -11,13 +11,15 @@ that loss is durable.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api.dialects.common import arguments_text, new_id
 from api.generation import Generation
 from api.types import CapturedCall
+from capture.codec.packed import PackedIds
 from capture.context import CallCapture, capture_entry, current_call, mark_incomplete
+from capture.protocols import reads_packed_ids
 from capture.records import TokenEntry
 
 
@@ -67,6 +69,7 @@ def call_entry(
     ValueError when the arrays are inconsistent (say, fewer log-probs than ids). The
     adapter already checked every id and log-prob (``api.generation``), so the entry is
     built without pydantic re-validating (and copying) a prompt of tens of thousands of ids.
+    A sink that reads packed ids gets the prompt as its check packed it.
     """
     ids, log_probs = generation.generation_token_ids, generation.generation_log_probs
     if ids is None or log_probs is None or generation.prompt_token_ids is None:
@@ -79,7 +82,7 @@ def call_entry(
         rollout_id=call.rollout_id,
         model_call_id=call.model_call_id,
         model=str(generation.response.get("model") or ""),
-        prompt_token_ids=generation.prompt_token_ids,
+        prompt_token_ids=_prompt_for(generation, call),
         generation_token_ids=generation.generation_token_ids,
         generation_log_probs=generation.generation_log_probs,
         output_items=[dict(item) for item in items],
@@ -88,6 +91,13 @@ def call_entry(
         **_clamp_field(generation),
         **generation.entry_fields,
     )
+
+
+def _prompt_for(generation: Generation, call: CallCapture) -> Sequence[int]:
+    packed = generation.prompt_packed
+    if packed is not None and reads_packed_ids(call.sink):
+        return PackedIds(packed)
+    return generation.prompt_token_ids or []
 
 
 def _clamp_field(generation: Generation) -> dict[str, Any]:

@@ -15,12 +15,15 @@ which placeholders) before calling them:
 from __future__ import annotations
 
 import math
+import sys
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy
+
+from capture.codec.packed import pack_ids
 
 
 class UpstreamError(Exception):
@@ -51,6 +54,8 @@ class Generation:
     max_tokens_clamp: tuple[int, int] | None = None
     # Extra fields the capture step records on the call's entry (faithful prompts' lineage).
     entry_fields: dict[str, Any] = field(default_factory=dict)
+    # The prompt ids packed (little-endian uint32) by their check, for the entry to carry.
+    prompt_packed: bytes | None = None
 
     @property
     def text(self) -> str:
@@ -110,7 +115,12 @@ def reply_generation(
 def with_changes(generation: Generation, **changes: Any) -> Generation:
     """A copy with ``changes``; a problem voids all three arrays, so none is half-trusted."""
     if "ids_problem" in changes:
-        changes.update(prompt_token_ids=None, generation_token_ids=None, generation_log_probs=None)
+        changes.update(
+            prompt_token_ids=None,
+            generation_token_ids=None,
+            generation_log_probs=None,
+            prompt_packed=None,
+        )
     return replace(generation, **changes)
 
 
@@ -132,29 +142,43 @@ def logprob_problem(value: Any) -> str | None:
 
 
 def bad_id(what: str, ids: list[Any], vocab_size: int | None) -> str | None:
-    """Why a list of ids holds something that is no token; C-speed passes for the good case.
+    """Why a list of ids holds something that is no token (see ``checked_ids``)."""
+    return checked_ids(what, ids, vocab_size)[1]
+
+
+def checked_ids(
+    what: str, ids: list[Any], vocab_size: int | None
+) -> tuple[bytes | None, str | None]:
+    """The ids packed little-endian uint32, or why one is no token; C-speed passes for the
+    good case.
 
     Packing to unsigned 32-bit refuses anything negative or beyond any vocabulary, and the
     largest id is read off the packed buffer: 0.5 ms at 16k ids instead of 1.3 ms for a
     Python-level ``min`` and ``max``. The type count keeps booleans out (they would pack).
+    The packed bytes are the codec's own form of the ids (``capture.codec.packed``).
     """
     if list(map(type, ids)).count(int) == len(ids):
         try:
-            packed = numpy.frombuffer(array("I", ids), dtype=numpy.uint32)
+            packed = array("I", ids)
         except OverflowError:
             pass  # negative or 2**32 and beyond: the loop below names it
         else:
-            if vocab_size is None or not ids or int(packed.max()) < vocab_size:
-                return None
+            largest = int(numpy.frombuffer(packed, dtype=numpy.uint32).max()) if ids else 0
+            if vocab_size is None or largest < vocab_size:
+                if sys.byteorder != "little":
+                    packed.byteswap()
+                return packed.tobytes(), None
     for position, token_id in enumerate(ids):
         if type(token_id) is not int or token_id < 0:
-            return f"{what} id {position} is {token_id!r}, not an integer >= 0"
+            return None, f"{what} id {position} is {token_id!r}, not an integer >= 0"
         if vocab_size is not None and token_id >= vocab_size:
-            return (
+            return None, (
                 f"{what} id {position} is {token_id}, not below the vocabulary size "
                 f"{vocab_size} (model_server.vocab_size)"
             )
-    return None
+        if token_id >= 2**32:
+            return None, f"{what} id {position} is {token_id}, beyond any vocabulary (2**32)"
+    return None, f"{what} ids could not be packed"  # not reached: the loop names the id
 
 
 def count_problem(what: str, count: int, usage: Mapping[str, Any], key: str) -> str | None:
@@ -172,30 +196,37 @@ def count_problem(what: str, count: int, usage: Mapping[str, Any], key: str) -> 
     return None
 
 
-def prompt_problem(
+def prompt_check(
     ids: Any, usage: Mapping[str, Any], vocab_size: int | None = None, *, missing: str = ""
-) -> str | None:
-    """Why prompt ids cannot be trusted, or None; ``missing`` says what an absent list means."""
+) -> tuple[bytes | None, str | None]:
+    """The prompt ids packed when they can be trusted, else why not; ``missing`` says what
+    an absent list means."""
     if ids is None:
-        return missing or "the engine returned no prompt ids"
+        return None, missing or "the engine returned no prompt ids"
     if not isinstance(ids, list):
-        return "the prompt ids are not a list"
+        return None, "the prompt ids are not a list"
     if not ids:
-        return "the prompt ids are empty; a rendered chat prompt has tokens"
-    return bad_id("prompt", ids, vocab_size) or count_problem(
-        "prompt", len(ids), usage, "prompt_tokens"
-    )
+        return None, "the prompt ids are empty; a rendered chat prompt has tokens"
+    packed, problem = checked_ids("prompt", ids, vocab_size)
+    problem = problem or count_problem("prompt", len(ids), usage, "prompt_tokens")
+    return (packed, None) if problem is None else (None, problem)
 
 
-def sent_prompt_problem(ids: list[int], usage: Mapping[str, Any]) -> str | None:
-    """Why the prompt of a token-in call cannot be trusted, or None.
+def sent_prompt_check(ids: list[int], usage: Mapping[str, Any]) -> tuple[bytes | None, str | None]:
+    """The prompt of a token-in call packed when it can be trusted, else why not.
 
     The front end built these ids itself, so only the engine's own count of them is read;
     a vocabulary other than the engine's is refused once, at start-up (``api.probe``).
     """
     if not ids:
-        return "the prompt ids are empty; a rendered chat prompt has tokens"
-    return count_problem("prompt", len(ids), usage, "prompt_tokens")
+        return None, "the prompt ids are empty; a rendered chat prompt has tokens"
+    problem = count_problem("prompt", len(ids), usage, "prompt_tokens")
+    if problem is not None:
+        return None, problem
+    try:
+        return pack_ids(ids), None
+    except ValueError as exc:
+        return None, f"the prompt ids sent do not pack: {exc}"
 
 
 def served(generation: Generation) -> str:

@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from api import jsonbytes
 from api.engine_http import TRANSPORT_ERRORS, EngineHTTP
 from api.engines import ADAPTERS, family_of_models
-from api.generation import Generation, UpstreamError, prompt_problem, with_changes
+from api.generation import Generation, UpstreamError, prompt_check, with_changes
 
 log = logging.getLogger(__name__)
 
@@ -338,10 +338,10 @@ class UpstreamClient:
             prompt_ids = await self.tokenize(body)
         except UpstreamError as exc:
             return with_changes(generation, ids_problem=f"no prompt ids: {exc.message}")
-        problem = prompt_problem(prompt_ids, generation.usage, self.vocab_size)
+        packed, problem = prompt_check(prompt_ids, generation.usage, self.vocab_size)
         if problem is not None:
             return with_changes(generation, ids_problem=f"/tokenize: {problem}")
-        return with_changes(generation, prompt_token_ids=prompt_ids)
+        return with_changes(generation, prompt_token_ids=prompt_ids, prompt_packed=packed)
 
     async def tokenize(self, chat_request: Mapping[str, Any]) -> list[int]:
         """The prompt ids of a chat request, rendered by the upstream (vLLM's ``/tokenize``)."""

@@ -23,6 +23,16 @@ class TokenSink(Protocol):
     async def close(self) -> None: ...
 
 
+def reads_packed_ids(sink: Any) -> bool:
+    """Whether ``sink`` takes an entry whose prompt is ``capture.codec.packed.PackedIds``.
+
+    tokcap's own stores say so (``reads_packed_ids = True``): they prove a long prompt
+    extends the last one with one memcmp. Any other sink is handed lists, as ``TokenEntry``
+    promises.
+    """
+    return getattr(sink, "reads_packed_ids", False) is True
+
+
 @runtime_checkable
 class IntentSink(Protocol):
     """Optional extension: a durable intent recorded before the call is dispatched.

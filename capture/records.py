@@ -68,8 +68,9 @@ class TokenEntry(BaseModel):
     @field_serializer("prompt_token_ids", "generation_token_ids")
     def _ids_as_list(self, value: Any) -> list[int]:
         # A decoded entry's ids may be read-only views of its chain's shared sequence
-        # (capture.codec.views); a dump always gives lists, as it did before.
-        return list(value)
+        # (capture.codec.views), a captured prompt packed ids (capture.codec.packed); a
+        # dump always gives lists, as it did before.
+        return value.tolist() if hasattr(value, "tolist") else list(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> TokenEntry:

@@ -26,9 +26,10 @@ from api.generation import (
     finish,
     first_choice,
     logprob_problem,
-    prompt_problem,
+    prompt_check,
     reply_generation,
-    sent_prompt_problem,
+    sent_prompt_check,
+    with_changes,
 )
 
 NAME = "sglang"
@@ -139,9 +140,10 @@ def read_chat(
     )
     if problem is None:
         missing = "the engine returned no prompt_token_ids although return_token_ids was requested"
-        problem = prompt_problem(
+        packed, problem = prompt_check(
             generation.prompt_token_ids, generation.usage, vocab_size, missing=missing
         )
+        generation = with_changes(generation, prompt_packed=packed)
     return finish(generation, problem, vocab_size)
 
 
@@ -187,5 +189,6 @@ def read_tokens(
     )
     problem = problem or value_problem
     if problem is None:
-        problem = sent_prompt_problem(prompt_ids, usage)
+        packed, problem = sent_prompt_check(prompt_ids, usage)
+        generation = with_changes(generation, prompt_packed=packed)
     return finish(generation, problem, vocab_size)

@@ -28,9 +28,10 @@ from api.generation import (
     finish,
     first_choice,
     logprob_problem,
-    prompt_problem,
+    prompt_check,
     reply_generation,
-    sent_prompt_problem,
+    sent_prompt_check,
+    with_changes,
 )
 
 NAME = "vllm"
@@ -167,9 +168,10 @@ def read_chat(
     )
     problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy)
     if problem is None and not (legacy and generation.prompt_token_ids is None):
-        problem = prompt_problem(
+        packed, problem = prompt_check(
             generation.prompt_token_ids, generation.usage, vocab_size, missing=NO_PROMPT_IDS
         )
+        generation = with_changes(generation, prompt_packed=packed)
     return finish(generation, problem, vocab_size)
 
 
@@ -218,5 +220,6 @@ def read_tokens(
     if problem is None and choice.get("prompt_token_ids") != prompt_ids:
         problem = "the engine's prompt_token_ids are not the prompt ids sent"
     if problem is None:
-        problem = sent_prompt_problem(prompt_ids, generation.usage)
+        packed, problem = sent_prompt_check(prompt_ids, generation.usage)
+        generation = with_changes(generation, prompt_packed=packed)
     return finish(generation, problem, vocab_size)

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import threading
-from array import array
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +33,14 @@ from capture.codec.blocks import (
     plan_writes,
     whole_block,
 )
+from capture.codec.packed import (
+    ID_WIDTH,
+    PackedIds,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+)
 from capture.codec.views import IdView
 from capture.records import SCHEMA_VERSION, TokenEntry
 
@@ -42,47 +48,12 @@ from capture.records import SCHEMA_VERSION, TokenEntry
 # Redis's 6-byte string header) fits jemalloc's 1 KiB size class, where 256 would take 1,280.
 DEFAULT_BLOCK_SIZE = 250
 CODEC_VERSION = 2
-_LITTLE = sys.byteorder == "little"
+# A packed-id prompt's remembered prefix: its own bytes, then the generation's.
+_Parts = tuple[memoryview, memoryview]
 # Fields the body and blocks store in packed form instead of as msgpack lists.
 _PACKED = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 # Set at capture; a retried put of the same call may carry another timestamp.
 _NOT_PAYLOAD = ("created_at",)
-
-
-def _pack(values: Iterable[int | float], typecode: str) -> bytes:
-    packed = array(typecode, values)
-    if not _LITTLE:
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def _unpack(data: bytes, typecode: str) -> list[Any]:
-    unpacked = array(typecode)
-    unpacked.frombytes(data)
-    if not _LITTLE:
-        unpacked.byteswap()
-    return unpacked.tolist()
-
-
-def pack_ids(ids: Iterable[int]) -> bytes:
-    """Token ids as little-endian uint32."""
-    try:
-        return _pack(ids, "I")
-    except OverflowError as exc:
-        raise ValueError("token ids must be integers in [0, 2**32)") from exc
-
-
-def unpack_ids(data: bytes) -> list[int]:
-    return _unpack(data, "I")
-
-
-def pack_floats(values: Iterable[float]) -> bytes:
-    """Log-probs as little-endian float64: exact, so a round trip changes nothing."""
-    return _pack(values, "d")
-
-
-def unpack_floats(data: bytes) -> list[float]:
-    return _unpack(data, "d")
 
 
 @dataclass(frozen=True)
@@ -125,56 +96,70 @@ class ChainMemo:
     of a rollout incrementally.
 
     A call's prompt almost always starts with the previous call's sequence, so comparing the
-    ids (one C-level list comparison) replaces packing and hashing the whole context again.
-    Bounded: the least recently used rollouts are forgotten first.
+    ids replaces packing and hashing the whole context again: one C-level list comparison
+    for a list, one ``memcmp`` (and no copy) for ``PackedIds``, whose prefix is remembered
+    as the packed bytes the calls brought. Bounded: the least recently used rollouts are
+    forgotten first.
     """
 
     def __init__(self, max_rollouts: int = 64) -> None:
         self.max_rollouts = max_rollouts
-        self._known: OrderedDict[str, tuple[int, list[int], tuple[Block, ...]]] = OrderedDict()
+        self._known: OrderedDict[str, tuple[int, list[int] | _Parts, tuple[Block, ...]]] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()  # stores encode in worker threads
 
-    def prefix(self, rollout_id: str, ids: list[int], block_size: int) -> tuple[Block, ...]:
+    def prefix(self, rollout_id: str, ids: Sequence[int], block_size: int) -> tuple[Block, ...]:
         """The remembered whole blocks ``ids`` starts with (empty when it does not)."""
         return self.match(rollout_id, ids, block_size)[0]
 
     def match(
-        self, rollout_id: str, ids: list[int], block_size: int
-    ) -> tuple[tuple[Block, ...], list[int]]:
-        """The remembered whole blocks ``ids`` starts with, and a copy of the ids they
-        cover: the slice the comparison needs anyway, which ``remember`` then extends
+        self, rollout_id: str, ids: Sequence[int], block_size: int
+    ) -> tuple[tuple[Block, ...], list[int] | None]:
+        """The remembered whole blocks ``ids`` starts with, and for a list a copy of the ids
+        they cover: the slice the comparison needs anyway, which ``remember`` then extends
         instead of copying the whole context a second time."""
         with self._lock:
             known = self._known.get(rollout_id)
         if known is None or known[0] != block_size:
-            return (), []
+            return (), None
         _, prefix, blocks = known
+        if isinstance(ids, PackedIds) or isinstance(prefix, tuple):
+            matched = isinstance(ids, PackedIds) and isinstance(prefix, tuple)
+            return (blocks, None) if matched and ids.starts_with(prefix) else ((), None)
         if len(ids) < len(prefix):
-            return (), []
+            return (), None
         head = ids[: len(prefix)]
+        head = head if isinstance(head, list) else list(head)
         if head != prefix:
-            return (), []
+            return (), None
         return blocks, head
 
     def remember(
         self,
         rollout_id: str,
-        sequence: tuple[list[int], list[int]],
+        sequence: tuple[Sequence[int], bytes],
         chain: list[Block],
         block_size: int,
         head: list[int] | None = None,
     ) -> None:
-        """Keep the whole-block prefix of ``sequence`` (prompt, generation) as a list of our
-        own (the caller's may change later). ``head``, a copy of the prompt's first ids
-        that ``match`` made, is extended: a call costs the ids it adds, not a second copy."""
+        """Keep the whole-block prefix of ``sequence`` (prompt, packed generation): a
+        ``PackedIds`` prompt's immutable bytes by reference, a list's ids as a list of our
+        own (the caller's may change later). ``head``, a copy of the prompt's first ids that
+        ``match`` made, is extended: a call costs the ids it adds, not a second copy."""
         prompt, generation = sequence
-        whole = (len(prompt) + len(generation)) // block_size
+        whole = (len(prompt) + len(generation) // ID_WIDTH) // block_size
         size = whole * block_size
-        ids = head if head is not None and len(head) <= size else []
-        if len(ids) < size:
-            ids += prompt[len(ids) : size]
-            ids += generation[: size - len(ids)]
-        known = (block_size, ids, tuple(chain[:whole]))
+        prefix: list[int] | _Parts
+        if isinstance(prompt, PackedIds):
+            first = memoryview(prompt.data)[: size * ID_WIDTH]
+            prefix = (first, memoryview(generation)[: size * ID_WIDTH - len(first)])
+        else:
+            prefix = head if head is not None and len(head) <= size else []
+            if len(prefix) < size:
+                prefix += prompt[len(prefix) : size]
+                prefix += unpack_ids(generation[: (size - len(prefix)) * ID_WIDTH])
+        known = (block_size, prefix, tuple(chain[:whole]))
         with self._lock:
             self._known[rollout_id] = known
             self._known.move_to_end(rollout_id)
@@ -184,6 +169,14 @@ class ChainMemo:
     def forget(self, rollout_id: str) -> None:
         with self._lock:
             self._known.pop(rollout_id, None)
+
+
+def _packed_from(ids: Sequence[int], start: int) -> bytes:
+    """The packed ids from ``start`` on: a slice of ``PackedIds``'s bytes, else one pack of
+    a list slice (array's fast path; two packs and a join beat packing a chained iterator)."""
+    if isinstance(ids, PackedIds):
+        return ids.data[start * ID_WIDTH :] if start else ids.data
+    return pack_ids(ids[start:] if start else ids)
 
 
 def encode_entry(
@@ -198,14 +191,14 @@ def encode_entry(
     prompt, generation = entry.prompt_token_ids, entry.generation_token_ids
     prompt_len = len(prompt)
     reused, head = (
-        memo.match(entry.rollout_id, prompt, block_size) if memo is not None else ((), [])
+        memo.match(entry.rollout_id, prompt, block_size) if memo is not None else ((), None)
     )
     start = len(reused) * block_size
-    # Two packs of lists (array's fast path) and one join beat packing a chained iterator.
-    rest = pack_ids(prompt[start:] if start else prompt) + pack_ids(generation)
+    generation_bytes = pack_ids(generation)
+    rest = _packed_from(prompt, start) + generation_bytes
     chain = [*reused, *cut(rest, block_size, bytes.fromhex(reused[-1].name) if reused else ROOT)]
     if memo is not None:
-        memo.remember(entry.rollout_id, (prompt, generation), chain, block_size, head)
+        memo.remember(entry.rollout_id, (prompt, generation_bytes), chain, block_size, head)
     generated = len(generation)
     log_probs = pack_floats(entry.generation_log_probs)
     fields = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
+from capture.codec.packed import PackedIds
+
 
 class IdView(Sequence[int]):
     """The ids ``base[start:stop]`` of a shared list, without copying them."""
@@ -97,15 +99,18 @@ class IdView(Sequence[int]):
 
 def json_default(value: Any) -> list[int]:
     """``default=`` for ``json.dumps``, orjson and ``msgpack.packb``: a rebuilt record's
-    token arrays may be views, which serializers do not know; each is written as its list."""
-    if isinstance(value, IdView):
+    token arrays may be views (or an entry's prompt packed ids), which serializers do not
+    know; each is written as its list."""
+    if isinstance(value, (IdView, PackedIds)):
         return value.tolist()
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def as_list(ids: Sequence[int]) -> list[int]:
     """A list for a record (JSON, msgpack): a view's range copied, a list as it is."""
-    return ids.tolist() if isinstance(ids, IdView) else ids  # type: ignore[return-value]
+    if isinstance(ids, (IdView, PackedIds)):
+        return ids.tolist()
+    return ids  # type: ignore[return-value]
 
 
 def shares_prefix(prompt: Sequence[int], before: Sequence[int], after: Sequence[int]) -> bool:

@@ -68,6 +68,8 @@ class _Cached:
 class TokenCaptureStore:
     """Node-local, crash-safe, multi-process token store (sink and source)."""
 
+    reads_packed_ids = True  # an entry's prompt may be PackedIds (capture.protocols)
+
     def __init__(
         self,
         dir: str | os.PathLike[str],

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from capture.codec.blocks import chain_names, cut
-from capture.codec.entries import DEFAULT_BLOCK_SIZE, encode_entry, pack_ids, read_body
+from capture.codec.entries import DEFAULT_BLOCK_SIZE, encode_entry, read_body
+from capture.codec.packed import pack_ids
 
 
 def prompt_blocks(ids: list[int], block_size: int = DEFAULT_BLOCK_SIZE) -> list[tuple[str, bytes]]:

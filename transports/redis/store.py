@@ -97,6 +97,8 @@ class RedisTokenStore:
     (``transports.redis.connections``); a ``client`` passed in is proven once, at start.
     """
 
+    reads_packed_ids = True  # an entry's prompt may be PackedIds (capture.protocols)
+
     def __init__(
         self,
         *,

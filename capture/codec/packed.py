@@ -1,0 +1,139 @@
+"""Ids and log-probs in packed little-endian form, and ``PackedIds``: a prompt kept packed.
+
+The codec stores ids as uint32 and log-probs as float64. The front end's id check already
+packs a reply's prompt to uint32 (``api.generation``); an entry that carries those bytes as
+``PackedIds`` lets the codec prove that a long prompt extends the prefix it encoded last
+time with one ``memcmp`` instead of a pass over a list of Python ints, and take the new ids'
+bytes without packing them again. A put then costs the ids the call adds, at any context.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, overload
+
+_LITTLE = sys.byteorder == "little"
+ID_WIDTH = 4  # bytes per packed id
+
+
+def _pack(values: Iterable[int | float], typecode: str) -> bytes:
+    packed = array(typecode, values)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(data: bytes | memoryview, typecode: str) -> list[Any]:
+    unpacked = array(typecode)
+    unpacked.frombytes(data)
+    if not _LITTLE:
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
+def pack_ids(ids: Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32 (a ``PackedIds``'s bytes as they are)."""
+    if isinstance(ids, PackedIds):
+        return ids.data
+    try:
+        return _pack(ids, "I")
+    except OverflowError as exc:
+        raise ValueError("token ids must be integers in [0, 2**32)") from exc
+
+
+def unpack_ids(data: bytes | memoryview) -> list[int]:
+    return _unpack(data, "I")
+
+
+def pack_floats(values: Iterable[float]) -> bytes:
+    """Log-probs as little-endian float64: exact, so a round trip changes nothing."""
+    return _pack(values, "d")
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    return _unpack(data, "d")
+
+
+class PackedIds(Sequence[int]):
+    """Read-only token ids held as little-endian uint32 bytes.
+
+    It reads like the list it stands for: length, indexing, iteration, equality with lists
+    and views, ``+``, pickling and JSON (through ``json_default``) all give the ids. The
+    bytes are immutable, so the codec may keep a reference to them between calls.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        if len(data) % ID_WIDTH:
+            raise ValueError(f"{len(data)} bytes are not a whole number of uint32 ids")
+        self.data = bytes(data)  # the same object when it already is bytes
+
+    @classmethod
+    def of(cls, ids: Iterable[int]) -> PackedIds:
+        """The ids packed (ValueError for an id outside uint32)."""
+        return cls(pack_ids(ids))
+
+    def __len__(self) -> int:
+        return len(self.data) // ID_WIDTH
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            first, last, step = index.indices(len(self))
+            if step == 1:
+                view = memoryview(self.data)[first * ID_WIDTH : max(first, last) * ID_WIDTH]
+                return unpack_ids(view)
+            return self.tolist()[index]
+        size = len(self)
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError("PackedIds index out of range")
+        return int.from_bytes(self.data[index * ID_WIDTH : (index + 1) * ID_WIDTH], "little")
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedIds):
+            return self.data == other.data
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(self) == len(other) and self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which do not hash
+
+    def __repr__(self) -> str:
+        return f"PackedIds({self.tolist()!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (self.tolist(),))
+
+    def __add__(self, other: Sequence[int]) -> list[int]:
+        return [*self.tolist(), *other]
+
+    def __radd__(self, other: Sequence[int]) -> list[int]:
+        return [*other, *self.tolist()]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        import numpy
+
+        return numpy.frombuffer(self.data, dtype="<u4").astype(dtype or numpy.int64)
+
+    def tolist(self) -> list[int]:
+        return unpack_ids(self.data)
+
+    def starts_with(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """Whether the ids begin with the concatenation of ``parts`` (packed), by memcmp."""
+        at = 0
+        for part in parts:
+            if not self.data.startswith(part, at):
+                return False
+            at += len(part)
+        return True
