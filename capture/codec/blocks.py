@@ -19,7 +19,7 @@ Stored block bytes: ``b"w" + parent + ids`` (whole) or ``b"x" + parent + base + 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -94,7 +94,7 @@ class Writes:
 
 
 def plan_writes(
-    blocks: list[Block], full: int, held: Container[str], tails: Mapping[str, bytes]
+    blocks: Sequence[Block], full: int, held: Container[str], tails: Mapping[str, bytes]
 ) -> Writes:
     """The bytes to store for a sequence's blocks, given what the store already holds.
 
@@ -102,12 +102,18 @@ def plan_writes(
     tail stored under it (a store that knows only some tails passes those). A block not held
     is stored as an extension of its parent's tail when it starts with it, else whole; a
     partial block (fewer than ``full`` bytes) becomes its parent's tail.
+
+    ``held`` is closed under parents: a store holds a block only with every block before it
+    in its chain, since each put stores all the blocks its chain lacks. So the blocks to add
+    are those after the last held one, found from the tip: a put costs the blocks it adds,
+    not a lookup per block of a long context.
     """
+    first = len(blocks)
+    while first and blocks[first - 1].name not in held:
+        first -= 1
     new: list[tuple[str, bytes]] = []
     new_tails: list[tuple[str, bytes]] = []
-    for block in blocks:
-        if block.name in held:
-            continue
+    for block in blocks[first:]:
         parent = block.parent.hex()
         new.append((block.name, _extends(tails.get(parent), block) or whole_block(block)))
         if len(block.data) < full:

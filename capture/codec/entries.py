@@ -75,15 +75,9 @@ class EncodedEntry:
     def block_names(self) -> list[str]:
         return [block.name for block in self.chain]
 
-    def tail_parent(self, held: Container[str]) -> str:
-        """The parent of the first block not in ``held``: whose tail a store that cannot
-        hold every tail should fetch, since that block is the one likely to extend it."""
-        first = next((block for block in self.chain if block.name not in held), None)
-        return first.parent.hex() if first else ROOT_NAME
-
     def plan(self, held: Container[str], tails: Mapping[str, bytes]) -> Writes:
         """The blocks and tails a store must add, given the block names and tails it holds."""
-        return plan_writes(list(self.chain), ID_BYTES * self.block_size, held, tails)
+        return plan_writes(self.chain, ID_BYTES * self.block_size, held, tails)
 
 
 def _canonical_rest(rest: Mapping[str, Any]) -> bytes:

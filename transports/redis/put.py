@@ -34,6 +34,7 @@ from transports.redis.durability import Durability
 # unknown rollout's longer entry is asked about by name first.
 BLIND_SEND_BYTES = 32 * 1024
 _KNOWN_TAILS = 8  # tails remembered per rollout: a retry or fork may extend an older one
+_BLOCK_ARGS = 5  # script arguments per block (see PUT_SCRIPT), its name first
 
 # KEYS[1]: the rollout hash. ARGV: call id, payload digest, body, epoch for a new hash,
 # epoch the put was planned on ("" if none), touch ("1": rewrite the epoch when the payload
@@ -94,10 +95,14 @@ PUT_SHA = hashlib.sha1(PUT_SCRIPT.encode()).hexdigest()
 
 @dataclass(frozen=True)
 class Known:
-    """Block names a rollout's hash holds, and tails it was seen to hold, under ``epoch``."""
+    """Block names a rollout's hash holds, and tails it was seen to hold, under ``epoch``.
+
+    ``names`` only grows while the epoch lasts: each put adds the names it sent to the same
+    set (``Put.learned``) instead of copying every name of a long chain again.
+    """
 
     epoch: bytes
-    names: frozenset[str]
+    names: set[str]
     tails: dict[str, bytes] = field(default_factory=dict)  # parent name -> tail value
 
 
@@ -132,7 +137,7 @@ class Put:
 
     entry: EncodedEntry
     known: Known | None
-    blocks: tuple[Any, ...]  # 5 script arguments per block sent
+    blocks: tuple[Any, ...]  # _BLOCK_ARGS script arguments per block sent, its name first
     tails: dict[str, bytes]  # the tails planned on, and those this put sets
     by_name: frozenset[str] = frozenset()  # blocks sent without their bytes
 
@@ -175,17 +180,24 @@ class Put:
                 tails[parent] = tail
             else:
                 tails.pop(parent, None)
-        held = self.by_name - missing
+        held = set(self.by_name - missing)
         if self.known:
             held |= self.known.names
         known = Known(epoch, held, tails) if epoch else None
         return Put._with_bytes(self.entry, known)
 
     def learned(self, epoch: bytes) -> Known:
-        """What this process knows of the rollout once the entry is stored under ``epoch``."""
-        names = frozenset(self.entry.block_names)
+        """What this process knows of the rollout once the entry is stored under ``epoch``.
+
+        Under the epoch planned on, the chain is what ``known`` held (the plan sends the
+        blocks after the last held one) and what this put sent, so only the names sent are
+        added; a put then costs the blocks it adds, not the chain's length.
+        """
         if self.known is not None and self.known.epoch == epoch:
-            names |= self.known.names
+            names = self.known.names
+            names.update(self.blocks[0::_BLOCK_ARGS])
+        else:
+            names = set(self.entry.block_names)
         tails = self.tails
         if len(tails) > _KNOWN_TAILS:
             tails = dict(list(tails.items())[-_KNOWN_TAILS:])
