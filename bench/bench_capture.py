@@ -21,7 +21,9 @@ all puts and over the last 10% (the longest contexts), freeze + rebuild time and
 of a process that only opens the store, freezes and rebuilds; then the growth exponent of
 time and memory between the shortest and the longest rollout (log ratio of the figure / log
 ratio of the final context). A tree with ``PackedIds`` also puts a second rollout whose
-prompts come packed, as the front end hands them to tokcap's stores ("packed prompts").
+prompts come packed, as the front end hands them to tokcap's stores ("packed prompts"), and
+the CPU of a bare append + fsync from a worker thread, interleaved: the floor of any durable
+put made from the event loop.
 
 Another store gets a column by adding a ``StoreKind`` to ``STORE_KINDS`` (say, Redis: an
 ``open`` that connects to a scratch server and a ``stored_bytes`` that sums MEMORY USAGE of
@@ -325,9 +327,15 @@ async def child_put(directory: Path, turns: int) -> dict[str, Any]:
     except ImportError:  # a tree before packed prompts
         PackedIds = None  # noqa: N806
     store = TokenCaptureStore(directory)
-    cpu_ms: dict[str, list[float]] = {"put": [], "put_packed": []}
+    floor = FsyncBaseline(directory)
+    cpu_ms: dict[str, list[float]] = {"put": [], "put_packed": [], "floor": []}
     try:
         for entry in lazy_rollout("r", turns):
+            # The CPU floor of any durable put from the event loop: a worker thread's
+            # append + fsync of about what a call adds (ids, log-probs, body).
+            start = time.process_time()
+            await asyncio.to_thread(floor.write_ms, 4096)
+            cpu_ms["floor"].append((time.process_time() - start) * 1000)
             await store.begin_call("r", entry.model_call_id)
             start = time.process_time()
             await store.put(entry)
@@ -342,6 +350,7 @@ async def child_put(directory: Path, turns: int) -> dict[str, Any]:
             cpu_ms["put_packed"].append((time.process_time() - start) * 1000)
     finally:
         await store.close()
+        floor.close()
     figures = {}
     for name, values in cpu_ms.items():
         if values:
@@ -432,6 +441,8 @@ def print_comparison(results: dict[str, dict[int, dict[str, Any]]]) -> None:
                 f"packed prompts: p50 {figures['put_packed_cpu_p50_ms']:.3f}, "
                 f"tail {figures['put_packed_cpu_tail_ms']:.3f} ms"
             )
+        if "floor_cpu_p50_ms" in figures:
+            checks.append(f"durable-write floor {figures['floor_cpu_p50_ms']:.3f} ms")
         if turns in TARGETS_13["rebuild_ms"]:
             checks.append(
                 f"rebuild {figures['rebuild_ms']:.0f} ms (<= {TARGETS_13['rebuild_ms'][turns]:.0f})"

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from capture.build.builder import BuildResult, run_builder
 from capture.build.segments import SEGMENTS_KEY
-from capture.errors import InvalidRolloutIdError, TokenCaptureError
+from capture.errors import InvalidRolloutIdError, TokenCaptureError, UnconfirmedWriteError
 from capture.records import TOKEN_FIELDS, TokenCaptureSnapshot
 from capture.rollout_ids import rollout_id_from_run_body, validate_rollout_id
 from capture.summary import RolloutSummary
@@ -160,12 +160,13 @@ def record_rollout_id(result: Mapping[str, Any], rollout_id: str | None = None) 
 async def _freeze(source: Any, rollout_id: str) -> TokenCaptureSnapshot:
     """Freeze through the source; an unreachable source becomes SourceUnavailableError.
 
-    Only errors that say the source could not answer (connection, timeout, OS errors) are
-    transient; anything else the source raises is a failed build, kept as evidence.
+    Only errors that say the source could not answer (connection, timeout, OS errors, a
+    write it could not confirm durable) are transient; anything else the source raises is a
+    failed build, kept as evidence.
     """
     try:
         return await _maybe_await(source.freeze(rollout_id))
-    except (ConnectionError, TimeoutError, OSError) as exc:
+    except (ConnectionError, TimeoutError, OSError, UnconfirmedWriteError) as exc:
         raise SourceUnavailableError(f"{type(exc).__name__}: {exc}") from exc
 
 

@@ -23,6 +23,15 @@ class MissingTokenIdsError(ExtractionError):
     """A served response carries no token ids at all."""
 
 
+class UnconfirmedWriteError(TokenCaptureError):
+    """A store may have applied a write but could not confirm it durable in time.
+
+    A later try may confirm it (a replica reconnecting, a promoted master gaining its
+    replica), so delivery counts it as the source being unavailable: a rebuild worker
+    retries the job instead of publishing a failed build masked.
+    """
+
+
 class RolloutFrozenError(TokenCaptureError):
     """A write reached a rollout that was already frozen (or dropped)."""
 

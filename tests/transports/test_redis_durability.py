@@ -13,6 +13,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from capture.delivery import finalize_rollout_token_capture
 from capture.errors import ConfigError
 from tests.support.fixtures_stores import make_token_entry
 from transports.redis import RedisTokenStore
@@ -112,6 +113,11 @@ async def test_replicas_mode_waits_for_a_real_replica(redis_server_factory):
         await store.put(late)
     with pytest.raises(DurabilityError):
         await store.freeze("replicated")
+    # Through finalize, the unconfirmed freeze is the source's error (a worker retries the
+    # job), not a failed build that would be published masked.
+    record = {"_ng_rollout_id": "replicated", "response": {"output": []}, "reward": 1.0}
+    built = await finalize_rollout_token_capture(record, store)
+    assert built.error_kind == "source" and "0 of 1 replicas" in built.error
     await store.close()
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from capture.errors import ConfigError, TokenCaptureError
+from capture.errors import ConfigError, UnconfirmedWriteError
 from transports.redis.keys import as_text
 
 log = logging.getLogger("tokcap.redis")
@@ -29,7 +29,7 @@ _WAITAOF_SINCE = (7, 2)
 Execute = Callable[..., Awaitable[Any]]
 
 
-class DurabilityError(TokenCaptureError):
+class DurabilityError(UnconfirmedWriteError):
     """The server did not confirm that a write is durable; the write may still be stored."""
 
 

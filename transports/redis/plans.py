@@ -143,7 +143,10 @@ class Freeze:
         fields = pairs(replies[0])
         state = {name: fields.get(name.encode()) for name in k.STATE_FIELDS}
         if state[k.FROZEN] == b"1":
-            return Plan(result=(fields, as_int(state[k.VERSION]), state[k.SNAPSHOT_ID]))
+            # Frozen already, maybe by an earlier try whose durability wait failed: rewrite
+            # the unchanged flag, so the wait that follows covers that freeze too.
+            result = (fields, as_int(state[k.VERSION]), state[k.SNAPSHOT_ID])
+            return Plan(writes=[("HSET", key, k.FROZEN, 1)], result=result)
         snapshot_id = state[k.SNAPSHOT_ID] or uuid.uuid4().hex.encode()
         version = next_version(state[k.VERSION])
         writes = [("HSET", key, k.FROZEN, 1, k.SNAPSHOT_ID, snapshot_id, k.VERSION, version)]
