@@ -35,7 +35,7 @@ from typing import Any
 from capture.build.final_answer import answer_signature
 from capture.build.projection import flat_ids_and_mask, project_chain
 from capture.build.segments import Segment, role_of, segments_of
-from capture.codec.views import shares_prefix
+from capture.codec.views import IdView, shares_prefix
 from capture.errors import ConflictingEntryError
 from capture.lineage import FALLBACK_FIELD
 from capture.records import TokenEntry
@@ -460,13 +460,14 @@ def _resolve_by_answer(
 def _fold_identical(calls: list[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
     """One call per identical sampled sequence (prompt, ids and log-probs): a retry that
     sampled exactly the same is the same call, not an ambiguity. The earliest is kept."""
-    seen: dict[tuple[int, tuple[int, ...], tuple[float, ...]], list[TokenEntry]] = {}
+    seen: dict[tuple[Any, ...], list[TokenEntry]] = {}
     kept: list[TokenEntry] = []
     folded: list[str] = []
     for call in sorted(calls, key=lambda c: (c.created_at, c.model_call_id)):
+        ids = call.generation_token_ids
         key = (
             len(call.prompt_token_ids),
-            tuple(call.generation_token_ids),
+            ids.key() if isinstance(ids, IdView) else tuple(ids),
             tuple(call.generation_log_probs),
         )
         twins = seen.setdefault(key, [])

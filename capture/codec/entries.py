@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from capture.codec.blocks import (
 from capture.codec.packed import (
     ID_WIDTH,
     PackedIds,
+    ids_array,
     pack_floats,
     pack_ids,
     unpack_floats,
@@ -256,9 +258,9 @@ def decode_entries(
     return [decoded[index] for index in range(len(bodies))]
 
 
-def _place(sequence: list[int], at: int, ids: list[int]) -> list[int]:
-    """``sequence`` with ``ids`` at ``at``: the same list when what it holds there agrees (it
-    is extended past its end), else a new one (a branch: the prefix is copied once)."""
+def _place(sequence: array[int], at: int, ids: array[int]) -> array[int]:
+    """``sequence`` with ``ids`` at ``at``: the same array when what it holds there agrees
+    (it is extended past its end), else a new one (a branch: the prefix is copied once)."""
     held = len(sequence) - at
     if held <= 0:
         sequence.extend(ids)
@@ -275,17 +277,18 @@ def _place(sequence: list[int], at: int, ids: list[int]) -> list[int]:
 
 def _assemble(
     tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any]
-) -> tuple[list[int], int]:
-    """A list whose first ``length`` ids are the chain ending in ``tip``, and ``length``.
+) -> tuple[array[int], int]:
+    """An array whose first ``length`` ids are the chain ending in ``tip``, and ``length``.
 
     Every block assembled is recorded with the list and the length it ends at, so the walk
     back from a tip stops at the longest prefix an earlier entry of this snapshot already
-    assembled, and continues that same list: a chain's calls share one sequence, and each
-    entry costs the blocks it adds, not its whole prompt.
+    assembled, and continues that same array: a chain's calls share one sequence, and each
+    entry costs the blocks it adds, not its whole prompt. Ids stay packed (``array("I")``)
+    until a reader asks for ints.
     """
     names: list[str] = []
     name = tip
-    sequence: list[int] = []
+    sequence = array("I")
     length = 0
     while len(names) < count:
         known = cache.get(("seq", name))
@@ -301,9 +304,7 @@ def _assemble(
             raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
     depth = count - len(names)
     for name in reversed(names):
-        ids = cache.get(("ids", name))
-        if ids is None:
-            ids = cache["ids", name] = unpack_ids(block_ids(name, blocks, cache))
+        ids = ids_array(block_ids(name, blocks, cache))
         sequence = _place(sequence, length, ids)
         length += len(ids)
         depth += 1
@@ -322,7 +323,7 @@ def decode_entry(
     """Rebuild an entry from its body and a lookup of the rollout's stored blocks.
 
     Entries of one rollout share most of their blocks: a ``cache`` shared across one snapshot
-    resolves and unpacks each block once, and shares its id objects between entries.
+    resolves each block once, and entries of one chain share one sequence of ids (``_assemble``).
     ``trusted`` skips re-validation for bodies this codec wrote after validating them, which
     dominates freeze time on long rollouts. ``shared`` (with ``trusted``) hands the id
     fields as ``IdView``s of the sequence the entry's chain shares instead of lists of their

@@ -47,6 +47,15 @@ def unpack_ids(data: bytes | memoryview) -> list[int]:
     return _unpack(data, "I")
 
 
+def ids_array(data: bytes | memoryview) -> array[int]:
+    """Packed ids as an ``array("I")``: no int object per id until one is read."""
+    ids = array("I")
+    ids.frombytes(data)
+    if not _LITTLE:
+        ids.byteswap()
+    return ids
+
+
 def pack_floats(values: Iterable[float]) -> bytes:
     """Log-probs as little-endian float64: exact, so a round trip changes nothing."""
     return _pack(values, "d")

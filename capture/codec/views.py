@@ -1,4 +1,4 @@
-"""Read-only views of one shared id list: how a decoded snapshot hands out its prompts.
+"""Read-only views of one shared id sequence: how a decoded snapshot hands out its prompts.
 
 Every call of a chain re-sends the history, so a snapshot's prompts are prefixes of one
 sequence. The codec assembles that sequence once per chain and gives each entry an
@@ -7,12 +7,15 @@ hold every prompt again (about 250 M list slots). A view compares equal to a lis
 same ids, slices to a list, and says by identity (``same_range_as``, ``shares_prefix``)
 what a list comparison would spend a pass over the prompt to learn.
 
-The shared list is only ever appended to past the end of every view over it, so a view's
+The sequence is a list, or (as the codec assembles it) an ``array("I")``: 4 bytes an id,
+no int object per id, nothing for the garbage collector to walk; ids become ints only
+when read. It is only ever appended to past the end of every view over it, so a view's
 ids never change.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -20,11 +23,11 @@ from capture.codec.packed import PackedIds
 
 
 class IdView(Sequence[int]):
-    """The ids ``base[start:stop]`` of a shared list, without copying them."""
+    """The ids ``base[start:stop]`` of a shared list or array, without copying them."""
 
     __slots__ = ("base", "start", "stop")
 
-    def __init__(self, base: list[int], start: int, stop: int) -> None:
+    def __init__(self, base: list[int] | array[int], start: int, stop: int) -> None:
         if not 0 <= start <= stop <= len(base):
             raise ValueError(f"view [{start}:{stop}] is outside a list of {len(base)} ids")
         self.base = base
@@ -42,7 +45,7 @@ class IdView(Sequence[int]):
         if isinstance(index, slice):
             first, last, step = index.indices(self.stop - self.start)
             if step == 1:
-                return self.base[self.start + first : self.start + max(first, last)]
+                return _listed(self.base[self.start + first : self.start + max(first, last)])
             return self.tolist()[index]
         size = self.stop - self.start
         if index < 0:
@@ -83,11 +86,20 @@ class IdView(Sequence[int]):
         # numpy would otherwise read a view one __getitem__ at a time.
         import numpy
 
-        return numpy.asarray(self.tolist(), dtype=dtype)
+        part = self.base[self.start : self.stop]  # a copy: the base may still grow
+        if isinstance(part, array):
+            return numpy.frombuffer(part, dtype=numpy.uint32).astype(dtype or numpy.int64)
+        return numpy.asarray(part, dtype=dtype)
+
+    def key(self) -> bytes | tuple[int, ...]:
+        """The ids as a hashable key: over an array, its bytes (one C copy, nothing for the
+        garbage collector to walk), else a tuple."""
+        part = self.base[self.start : self.stop]
+        return part.tobytes() if isinstance(part, array) else tuple(part)
 
     def tolist(self) -> list[int]:
         """The ids as a new list (one copy of this range only)."""
-        return self.base[self.start : self.stop]
+        return _listed(self.base[self.start : self.stop])
 
     def same_range_as(self, other: IdView) -> bool:
         return self.base is other.base and self.start == other.start and self.stop == other.stop
@@ -95,6 +107,10 @@ class IdView(Sequence[int]):
     def continued_by(self, other: IdView) -> bool:
         """Whether ``other`` is the range right after this one in the same list."""
         return self.base is other.base and self.stop == other.start
+
+
+def _listed(part: list[int] | array[int]) -> list[int]:
+    return part if isinstance(part, list) else part.tolist()
 
 
 def json_default(value: Any) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+from array import array
 
 import numpy
 import pytest
@@ -15,10 +16,11 @@ from capture.codec.views import IdView, as_list, json_default, shares_prefix
 from tests.support.rollouts import growing_rollout
 
 
-def test_a_view_reads_like_the_list_of_its_range():
-    base = list(range(10))
+@pytest.mark.parametrize("kind", ["list", "array"])
+def test_a_view_reads_like_the_list_of_its_range(kind: str):
+    base = list(range(10)) if kind == "list" else array("I", range(10))
     view = IdView(base, 2, 7)
-    want = base[2:7]
+    want = list(base[2:7])
     assert len(view) == 5 and list(view) == want and view == want and want == view
     assert view[0] == 2 and view[-1] == 6 and view[1:3] == [3, 4] and view[::2] == want[::2]
     assert view[-2:] == [5, 6] and view[10:] == [] and type(view[:2]) is list
@@ -37,6 +39,13 @@ def test_a_view_reads_like_the_list_of_its_range():
     assert (
         numpy.asarray(view).tolist() == want and numpy.asarray(view, dtype="int32").dtype == "int32"
     )
+    assert type(view.tolist()) is list and type(view[1]) is int
+    # A hashable key, equal for the same ids and different for others.
+    assert hash(view.key()) == hash(IdView(base, 2, 7).key())
+    assert view.key() == IdView(base, 2, 7).key() != IdView(base, 3, 8).key()
+    if kind == "array":
+        base.extend([10, 11])  # a numpy copy does not pin the base: it may still grow
+        assert view == want
 
 
 def test_views_of_one_chain_share_their_sequence_and_prove_prefixes():
@@ -50,6 +59,7 @@ def test_views_of_one_chain_share_their_sequence_and_prove_prefixes():
         assert got.model_dump() == want.model_dump()
         assert type(got.model_dump()["prompt_token_ids"]) is list
     assert len({id(entry.prompt_token_ids.base) for entry in decoded}) == 1
+    assert isinstance(decoded[0].prompt_token_ids.base, array)  # packed, no int per id
     first, second = decoded[0], decoded[1]
     assert shares_prefix(
         second.prompt_token_ids, first.prompt_token_ids, first.generation_token_ids
