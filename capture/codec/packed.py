@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, overload
+
+from capture.codec.listlike import ListLikeIds
 
 _LITTLE = sys.byteorder == "little"
 ID_WIDTH = 4  # bytes per packed id
@@ -65,7 +67,7 @@ def unpack_floats(data: bytes) -> list[float]:
     return _unpack(data, "d")
 
 
-class PackedIds(Sequence[int]):
+class PackedIds(ListLikeIds):
     """Read-only token ids held as little-endian uint32 bytes.
 
     It reads like the list it stands for: length, indexing, iteration, equality with lists
@@ -106,29 +108,12 @@ class PackedIds(Sequence[int]):
             raise IndexError("PackedIds index out of range")
         return int.from_bytes(self.data[index * ID_WIDTH : (index + 1) * ID_WIDTH], "little")
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.tolist())
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedIds):
             return self.data == other.data
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
             return len(self) == len(other) and self.tolist() == list(other)
         return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to lists, which do not hash
-
-    def __repr__(self) -> str:
-        return f"PackedIds({self.tolist()!r})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (list, (self.tolist(),))
-
-    def __add__(self, other: Sequence[int]) -> list[int]:
-        return [*self.tolist(), *other]
-
-    def __radd__(self, other: Sequence[int]) -> list[int]:
-        return [*other, *self.tolist()]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         import numpy

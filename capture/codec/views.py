@@ -16,13 +16,14 @@ ids never change.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, overload
 
+from capture.codec.listlike import ListLikeIds
 from capture.codec.packed import PackedIds
 
 
-class IdView(Sequence[int]):
+class IdView(ListLikeIds):
     """The ids ``base[start:stop]`` of a shared list or array, without copying them."""
 
     __slots__ = ("base", "start", "stop")
@@ -54,9 +55,6 @@ class IdView(Sequence[int]):
             raise IndexError("IdView index out of range")
         return self.base[self.start + index]
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.tolist())
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, IdView):
             if self.same_range_as(other):
@@ -65,22 +63,6 @@ class IdView(Sequence[int]):
         if isinstance(other, list):
             return len(self) == len(other) and self.tolist() == other
         return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to lists, which do not hash
-
-    def __repr__(self) -> str:
-        return f"IdView({self.tolist()!r})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # A copy or a pickle carries its own ids, not the whole shared sequence.
-        return (list, (self.tolist(),))
-
-    def __add__(self, other: Sequence[int]) -> list[int]:
-        # ``prompt + generation`` reads as it does on lists: a new list.
-        return [*self.tolist(), *other]
-
-    def __radd__(self, other: Sequence[int]) -> list[int]:
-        return [*other, *self.tolist()]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         # numpy would otherwise read a view one __getitem__ at a time.
