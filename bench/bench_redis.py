@@ -17,6 +17,8 @@ stopped by PID:
 - durable puts/s with 4 processes x 64 rollouts at once, each rollout putting its calls in
   order, the clock running from a common start until the last put returns.
 The "this" tree's children run whatever is checked out there, uncommitted edits included.
+Each tree's entries carry their prompts as that tree's front end hands them to the store:
+packed (``PackedIds``) where the tree has them; ``--prompts lists`` gives every tree lists.
 """
 
 from __future__ import annotations
@@ -94,6 +96,20 @@ async def put_27k(kinds: list[StoreKind], trials: int) -> dict[str, float]:
 
 # -- the Redis put alone, run by each tree's code in a child process -----------------------
 
+PROMPTS_ENV = "TOKCAP_BENCH_PROMPTS"  # "packed" (default) or "lists", set for the children
+
+
+def as_front_end_hands(entry: Any) -> Any:
+    """The entry as this tree's front end hands it to a store: its prompt packed where the
+    tree has ``PackedIds`` (done before any clock starts, as the id check does it)."""
+    if os.environ.get(PROMPTS_ENV, "packed") != "packed":
+        return entry
+    try:
+        from capture.codec.packed import PackedIds
+    except ImportError:  # a tree before packed prompts: its front end handed lists
+        return entry
+    return entry.model_copy(update={"prompt_token_ids": PackedIds.of(entry.prompt_token_ids)})
+
 
 async def child_put(url: str, prefix: str, trials: int) -> dict[str, Any]:
     """Per trial: the 27,000-token put, and a bare HSET of what it wrote, in turn first."""
@@ -110,7 +126,10 @@ async def child_put(url: str, prefix: str, trials: int) -> dict[str, Any]:
 
     for trial in range(trials):
         rollout_id = f"put27k-{trial}"
-        entries = synthetic_rollout(rollout_id, PUT_TURN + 1, seed=trial)
+        entries = [
+            as_front_end_hands(entry)
+            for entry in synthetic_rollout(rollout_id, PUT_TURN + 1, seed=trial)
+        ]
         for entry in entries[:PUT_TURN]:
             await store.put(entry)
         if written and trial % 2:
@@ -137,7 +156,10 @@ async def child_load(
 
     ``cluster`` is passed only when set, so a baseline tree from before Cluster runs this too.
     """
-    work = [synthetic_rollout(f"load-{n}", turns, seed=n) for n in range(rollouts)]
+    work = [
+        [as_front_end_hands(entry) for entry in synthetic_rollout(f"load-{n}", turns, seed=n)]
+        for n in range(rollouts)
+    ]
     on_cluster = {"cluster": True} if cluster else {}
     store = RedisTokenStore(url=url, key_prefix=prefix, **on_cluster)
     await store.check()
@@ -294,7 +316,14 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per tree")
     parser.add_argument("--load-turns", type=int, default=20, help="calls per load rollout")
     parser.add_argument("--skip-table", action="store_true", help="only the put figures")
+    parser.add_argument(
+        "--prompts",
+        choices=("packed", "lists"),
+        default="packed",
+        help="prompts as each tree's front end hands them (packed where it can), or lists",
+    )
     args = parser.parse_args()
+    os.environ[PROMPTS_ENV] = args.prompts
     if os.environ.get("REDIS_URL"):
         asyncio.run(main(os.environ["REDIS_URL"], args))
     else:
