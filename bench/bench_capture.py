@@ -319,16 +319,24 @@ def lazy_rollout(rollout_id: str, turns: int, seed: int = 0) -> Iterator[TokenEn
 
 
 async def child_put(directory: Path, turns: int) -> dict[str, Any]:
-    """CPU per put of this tree's file store, writing a rollout for ``child_rebuild``; and,
+    """CPU per put of this tree's file store, writing a rollout for ``child_rebuild``; then,
     where the tree has ``PackedIds``, of a second rollout whose prompts come packed, as the
-    front end's id check hands them to tokcap's stores."""
+    front end's id check hands them to tokcap's stores (after, so it does not disturb the
+    first figure)."""
     try:
         from capture.codec.packed import PackedIds
     except ImportError:  # a tree before packed prompts
         PackedIds = None  # noqa: N806
     store = TokenCaptureStore(directory)
     floor = FsyncBaseline(directory)
-    cpu_ms: dict[str, list[float]] = {"put": [], "put_packed": [], "floor": []}
+    cpu_ms: dict[str, list[float]] = {"put": [], "floor": [], "put_packed": []}
+
+    async def put(name: str, entry: TokenEntry) -> None:
+        await store.begin_call(entry.rollout_id, entry.model_call_id)
+        start = time.process_time()
+        await store.put(entry)
+        cpu_ms[name].append((time.process_time() - start) * 1000)
+
     try:
         for entry in lazy_rollout("r", turns):
             # The CPU floor of any durable put from the event loop: a worker thread's
@@ -336,18 +344,10 @@ async def child_put(directory: Path, turns: int) -> dict[str, Any]:
             start = time.process_time()
             await asyncio.to_thread(floor.write_ms, 4096)
             cpu_ms["floor"].append((time.process_time() - start) * 1000)
-            await store.begin_call("r", entry.model_call_id)
-            start = time.process_time()
-            await store.put(entry)
-            cpu_ms["put"].append((time.process_time() - start) * 1000)
-            if PackedIds is None:
-                continue
+            await put("put", entry)
+        for entry in lazy_rollout("p", turns) if PackedIds is not None else ():
             prompt = PackedIds.of(entry.prompt_token_ids)
-            entry = entry.model_copy(update={"rollout_id": "p", "prompt_token_ids": prompt})
-            await store.begin_call("p", entry.model_call_id)
-            start = time.process_time()
-            await store.put(entry)
-            cpu_ms["put_packed"].append((time.process_time() - start) * 1000)
+            await put("put_packed", entry.model_copy(update={"prompt_token_ids": prompt}))
     finally:
         await store.close()
         floor.close()

@@ -196,15 +196,22 @@ class TokenCaptureStore:
             raise ValueError(f"rollout id {rollout_id!r} escapes {directory}")
         return path
 
-    def _load(self, rollout_id: str, log: LockedLog) -> RolloutState:
-        """The rollout's current state, reading only what was appended since last time."""
+    def _load(
+        self, rollout_id: str, log: LockedLog, everything: list[tuple[int, dict]] | None = None
+    ) -> RolloutState:
+        """The rollout's current state, reading only what was appended since last time
+        (``everything``: the log's records, when the caller read them all anyway)."""
         with self._cache_lock:
             cached = self._cache.get(rollout_id)
         if cached is not None and (
             log.size < cached.offset or log.pread(len(cached.head), 0) != cached.head
         ):
             cached = None  # the log was replaced or deleted since (another process, a drop)
-        records = log.read_from(cached.offset if cached else 0)
+        start = cached.offset if cached else 0
+        if everything is None:
+            records = log.read_from(start)
+        else:
+            records = [item for item in everything if item[0] > start]
         state = cached.state if cached else RolloutState()
         for _, record in records:
             state.apply(record)
@@ -309,11 +316,12 @@ class TokenCaptureStore:
         path = self._path(rollout_id)
         with locked_log(path, create=True, fsync=self.fsync) as log:
             assert log is not None
-            state = self._load(rollout_id, log)
+            records = log.read_from(0)  # parsed once, for the state and the entries
+            state = self._load(rollout_id, log, records)
             if not state.frozen:
                 freeze = {"k": "freeze", "snapshot_id": uuid.uuid4().hex, "at": time.time()}
                 self._append(rollout_id, log, state, [freeze])
-            entries = self._read_entries(log) if not state.retired else []
+            entries = [] if state.retired else entries_from_records(r for _, r in records)
         reasons = incomplete_reasons(state.lost, state.pending_intents, state.retired)
         return TokenCaptureSnapshot(
             rollout_id=rollout_id,
