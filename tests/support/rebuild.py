@@ -22,7 +22,8 @@ from tests.support.rollouts import growing_rollout
 from transports.cli import worker as worker_cli
 from transports.rebuild.publish import Published
 from transports.rebuild.results import decode_result
-from transports.rebuild.worker import RebuildWorker, WorkerSettings
+from transports.rebuild.settings import WorkerSettings
+from transports.rebuild.worker import RebuildWorker
 from transports.redis import RedisTokenStore
 
 

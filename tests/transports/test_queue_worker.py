@@ -44,7 +44,8 @@ from transports.rebuild.results import (
     encode_result,
     expand_record,
 )
-from transports.rebuild.worker import RebuildWorker, WorkerSettings
+from transports.rebuild.settings import WorkerSettings
+from transports.rebuild.worker import RebuildWorker
 from transports.redis.keys import stream_names
 
 

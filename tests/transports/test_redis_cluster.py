@@ -24,8 +24,9 @@ from capture.errors import ConfigError
 from tests.support.rebuild import assert_rebuilt, finished_record, rollout_entries
 from tokcap.redis_cluster import LocalCluster
 from transports.rebuild.jobs import RebuildQueue
+from transports.rebuild.settings import WorkerSettings
 from transports.rebuild.sharded_results import ShardedResultsReader
-from transports.rebuild.worker import RebuildWorker, WorkerSettings
+from transports.rebuild.worker import RebuildWorker
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
 from transports.redis.keys import as_text

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from tokcap.help import verb_main
 from transports.cli.redis_url import add_cluster_argument, add_url_argument, redis_url
-from transports.rebuild.worker import RebuildWorker, WorkerSettings, run_worker
+from transports.rebuild.settings import WorkerSettings
+from transports.rebuild.worker import RebuildWorker, run_worker
 
 # Flags that set one WorkerSettings field each, in --help order, with what the field means;
 # the flag is the field's name with dashes, and its type and default are the field's.

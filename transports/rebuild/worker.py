@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -46,11 +43,11 @@ from capture.delivery import (
     finalize_rollout_token_capture,
     retire_rollout_token_capture,
 )
-from capture.retention import TOMBSTONE_TTL_S
 from transports.rebuild.jobs import MalformedJobError, decode_job, open_client
 from transports.rebuild.layout import agree_on_layout
 from transports.rebuild.publish import Published, ResultToPublish, publish_durably
 from transports.rebuild.results import encode_result
+from transports.rebuild.settings import WorkerSettings
 from transports.rebuild.shards import Job, JobShards, job_key
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
@@ -75,46 +72,6 @@ HEARTBEATS_PER_IDLE, MIN_HEARTBEAT_PAUSE_S = 3, 0.02
 
 class TransientJobError(Exception):
     """A step failed in a way a later attempt may not; the job stays pending."""
-
-
-@dataclass
-class WorkerSettings:
-    """Everything a worker process needs; the CLI fills it from flags."""
-
-    url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = k.DEFAULT_PREFIX
-    group: str = "rebuild"
-    consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    concurrency: int = 4
-    claim_idle_ms: int = 60_000
-    max_attempts: int = 5
-    block_ms: int = 1000
-    durability: str = "fsync"
-    wait_timeout_ms: int = 5000
-    guard_ttl_s: int = TOMBSTONE_TTL_S  # a re-run while the tombstone lives finds its guard
-    jobs_stream: str | None = None  # default <key_prefix>:rebuild
-    results_stream: str | None = None  # default <key_prefix>:results
-    dead_stream: str | None = None  # default <key_prefix>:rebuild:dead
-    shards: int = 1  # job and result streams; submitters and trainers must use as many
-    cluster: bool = False  # the url names one node of a Redis Cluster
-    # What a rebuild delivers and the least it may (token_id_capture's keys of the same name).
-    delivery: str = "chain"
-    min_delivered_fraction: float | None = None
-
-    def __post_init__(self) -> None:
-        jobs, results, dead = k.stream_names(self.key_prefix)
-        self.jobs_stream = self.jobs_stream or jobs
-        self.results_stream = self.results_stream or results
-        self.dead_stream = self.dead_stream or dead
-        if self.concurrency < 1 or self.max_attempts < 1 or self.claim_idle_ms < 1:
-            raise ValueError("concurrency, max_attempts and claim_idle_ms must be >= 1")
-        if self.delivery not in ("chain", "segments"):
-            raise ValueError(f"delivery must be chain or segments, not {self.delivery!r}")
-        fraction = self.min_delivered_fraction
-        if fraction is not None and not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"min_delivered_fraction must be within [0, 1], not {fraction}")
-        base = Streams(self.jobs_stream, self.results_stream, self.dead_stream)
-        self.shard_streams = k.shard_streams(base, self.shards, tagged=self.cluster)
 
 
 class RebuildWorker:
