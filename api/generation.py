@@ -163,7 +163,7 @@ def checked_ids(
         except OverflowError:
             pass  # negative or 2**32 and beyond: the loop below names it
         else:
-            largest = int(numpy.frombuffer(packed, dtype=numpy.uint32).max()) if ids else 0
+            largest = int(numpy.frombuffer(packed, dtype=numpy.uint32).max()) if ids else -1
             if vocab_size is None or largest < vocab_size:
                 if sys.byteorder != "little":
                     packed.byteswap()
@@ -225,7 +225,7 @@ def sent_prompt_check(ids: list[int], usage: Mapping[str, Any]) -> tuple[bytes |
         return None, problem
     try:
         return pack_ids(ids), None
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # an id beyond uint32, or not an integer
         return None, f"the prompt ids sent do not pack: {exc}"
 
 

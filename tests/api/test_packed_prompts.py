@@ -15,7 +15,7 @@ import pytest
 
 from api.capture_step import call_entry, output_items
 from api.engines import sglang, vllm
-from api.generation import checked_ids
+from api.generation import checked_ids, sent_prompt_check
 from capture.codec.packed import PackedIds, pack_ids
 from capture.context import CallCapture
 from capture.filestore.store import TokenCaptureStore
@@ -46,10 +46,18 @@ def test_unusable_ids_leave_nothing_packed() -> None:
     )
 
 
+def test_a_sent_prompt_that_does_not_pack_is_a_problem_not_an_error() -> None:
+    for ids in ([1.0, 2], [1, None], [2**32]):
+        packed, problem = sent_prompt_check(ids, {})
+        assert packed is None and "do not pack" in problem
+    assert sent_prompt_check([1, 2], {}) == (pack_ids([1, 2]), None)
+
+
 @pytest.mark.parametrize(
     ("ids", "vocab", "problem"),
     [
         ([1, 2, 3], None, None),
+        ([], 0, None),
         ([1, 2**32], None, "id 1 is 4294967296, beyond any vocabulary"),
         ([1, True], None, "id 1 is True"),
         ([5, 10], 10, "id 1 is 10, not below the vocabulary size 10"),
