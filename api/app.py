@@ -257,12 +257,12 @@ async def _sink_problem(sink: TokenSink | None) -> str | None:
     """
     if sink is None:
         return None
-    client = getattr(sink, "_client", None)
-    if client is not None and hasattr(client, "ping"):
+    ping = getattr(sink, "ping", None)
+    if callable(ping):
         where = getattr(sink, "where", "redis")
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                await client.ping()
+                await ping()
         except Exception as exc:  # any failure means not ready; the type says which
             return f"{where} did not answer PING: {type(exc).__name__}"
         return None

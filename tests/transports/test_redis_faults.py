@@ -216,7 +216,7 @@ async def test_more_writers_than_connections_wait_for_one(redis_url, redis_prefi
     for n in range(20):
         stored += len((await store.freeze(f"crowd-{n}")).entries)
     assert stored == 300
-    assert len(store._client.connection_pool._in_use_connections) == 0
+    assert len(store._reach.client.connection_pool._in_use_connections) == 0
     await store.close()
 
 
@@ -229,7 +229,7 @@ async def test_the_wait_for_a_connection_is_bounded(redis_url, redis_prefix):
         max_retries=1,
     )
     await store.check()
-    pool = store._client.connection_pool
+    pool = store._reach.client.connection_pool
     held = await pool.get_connection()  # the only connection, taken by someone else
     try:
         with pytest.raises(RedisUnavailableError, match="No connection available"):

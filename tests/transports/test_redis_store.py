@@ -188,7 +188,8 @@ async def test_password_in_url(redis_server_factory, redis_prefix):
 
 def test_rediss_url_is_accepted_for_tls():
     made = RedisTokenStore(url="rediss://:pw@redis.example.invalid:6380/0")
-    assert made._chosen.mode == "fsync"  # nothing connects until first use
+    assert made._reach.chosen.mode == "fsync"
+    assert made._reach.client is None  # nothing connects until first use
 
 
 async def test_tombstone_expires_after_its_ttl(redis_url, redis_prefix, raw):

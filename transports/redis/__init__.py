@@ -4,12 +4,12 @@
 names are exported here.
 """
 
+from transports.redis.reach import RedisUnavailableError
 from transports.redis.store import (
     ContentionError,
     RedisTokenSink,
     RedisTokenSource,
     RedisTokenStore,
-    RedisUnavailableError,
 )
 
 __all__ = [

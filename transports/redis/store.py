@@ -18,19 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Self, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AuthenticationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, decode_entries, encode_entry
 from capture.errors import (
-    ConfigError,
     ConflictingEntryError,
     RolloutFrozenError,
     TokenCaptureError,
@@ -40,10 +35,8 @@ from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
 from transports.redis import keys as k
-from transports.redis.checks import check_call_id, check_limits, check_server, server_name
-from transports.redis.cluster import TOPOLOGY_ERRORS, ClusterConnections
-from transports.redis.connections import ProvingConnections
-from transports.redis.durability import Durability, check_durability
+from transports.redis.checks import check_call_id, check_limits, check_server
+from transports.redis.durability import Durability
 from transports.redis.plans import (
     Drop,
     Freeze,
@@ -55,6 +48,7 @@ from transports.redis.plans import (
     pairs,
 )
 from transports.redis.put import PUT_SCRIPT, PUT_SHA, KnownBlocks, Put
+from transports.redis.reach import RedisReach
 from transports.redis.records import snapshot_of, split, summary_of
 from transports.redis.scripts import ScriptBatch, run_durably
 from transports.redis.watch import attempt, execute_raw
@@ -62,15 +56,9 @@ from transports.redis.watch import attempt, execute_raw
 T = TypeVar("T")
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the codec's; chosen so a whole block fits 1 KiB in Redis
 _KNOWN_ROLLOUTS = 256  # rollouts whose block names a store remembers
-# A connection failure is retried after 50 ms, doubling up to 0.5 s between attempts.
-RETRY_PAUSE_S, RETRY_MAX_PAUSE_S = 0.05, 0.5
 # A lost WATCH race is retried at once the first few times; after that a random pause of
 # up to 1 ms per loss (20 ms at most) lets a crowd of writers of one rollout spread out.
 EAGER_RETRIES, PAUSE_PER_LOSS_S, MAX_LOSS_PAUSE_S = 3, 0.001, 0.02
-
-
-class RedisUnavailableError(TokenCaptureError, ConnectionError):
-    """Redis could not be reached within the bounded retries; nothing is assumed stored."""
 
 
 class ContentionError(TokenCaptureError):
@@ -122,117 +110,56 @@ class RedisTokenStore:
         cluster = cluster or isinstance(client, RedisCluster)
         check_server(url, client, cluster)
         check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
-        self._url = url
-        self._client = client
-        self._owns_client = client is None
+        self._reach = RedisReach(
+            url=url,
+            client=client,
+            chosen=Durability.parse(durability),
+            cluster=cluster,
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            wait_timeout_ms=wait_timeout_ms,
+            max_retries=max_retries,
+            max_connections=max_connections,
+            pool_timeout_s=pool_timeout_s,
+            failover_timeout_s=failover_timeout_s,
+        )
         self.key_prefix = key_prefix
-        self._chosen = Durability.parse(durability)
-        self.durability: Durability | None = None  # set once proven against the server
+        self.cluster = cluster
         self.tombstone_ttl_s = tombstone_ttl_s
         self.evidence_ttl_s = evidence_ttl_s
-        self._socket_timeout_s = socket_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._wait_timeout_ms = wait_timeout_ms
-        self._max_retries = max_retries
         self._max_watch_retries = max_watch_retries
         self._block_size = block_size
-        self._max_connections = max_connections
-        self._pool_timeout_s = pool_timeout_s
-        self._connections: ProvingConnections | None = None  # None for a client passed in
-        self.cluster = cluster
-        self._cluster: ClusterConnections | None = None
-        self._failover_timeout_s = failover_timeout_s
         self._memo = ChainMemo()  # re-encodes only what a rollout's next call adds
-        self._lock = asyncio.Lock()
         self._closed = False
         # Saves asking about blocks this process already wrote (see transports.redis.put).
         self._known = KnownBlocks(_KNOWN_ROLLOUTS)
         self._puts: dict[Any, ScriptBatch] = {}  # per pool: puts ready at once share a trip
 
-    # -- connection and start-up ---------------------------------------------------------
+    # -- connection and start-up (transports.redis.reach) -------------------------------
 
     @property
     def where(self) -> str:
         """The server, for messages; never the password."""
-        if self._client is None:
-            return "redis (not connected yet)"
-        return server_name(self._client)
+        return self._reach.where
 
-    def _make_connections(self) -> ProvingConnections:
-        assert self._url is not None
-        return ProvingConnections(
-            self._url,
-            self._chosen,
-            max_connections=self._max_connections,
-            pool_timeout_s=self._pool_timeout_s,
-            socket_timeout_s=self._socket_timeout_s,
-            connect_timeout_s=self._connect_timeout_s,
-            wait_timeout_ms=self._wait_timeout_ms,
-        )
+    @property
+    def durability(self) -> Durability | None:
+        """The guarantee proven against the server (None until the first ``check``)."""
+        return self._reach.durability
 
     async def check(self) -> Durability:
         """Connect and prove the durability guarantee; runs by itself before the first write."""
         if self._closed:
             raise TokenCaptureError("this RedisTokenStore is closed")
-        if self.durability is None:
-            async with self._lock:
-                if self.durability is None:
-                    self.durability = await self._retrying(self._prove)
-        return self._current_durability()
-
-    async def _prove(self) -> Durability:
-        """The first proof: a connection of our own pool proves itself as it opens."""
-        if self.cluster:
-            return await self._prove_cluster()
-        if self._client is None:
-            self._connections = self._make_connections()
-            self._client = self._connections.client
-        pool = self._client.connection_pool
-        if self._connections is not None and self._chosen.mode != "none":
-            connection = await pool.get_connection()
-            await pool.release(connection)
-            assert self._connections.durability is not None
-            return self._connections.durability
-
-        async def execute(*args: Any) -> Any:
-            return await execute_raw(pool, *args)
-
-        return await check_durability(
-            execute, self._chosen, where=self.where, wait_timeout_ms=self._wait_timeout_ms
-        )
-
-    async def _prove_cluster(self) -> Durability:
-        """Every master proves the guarantee on a connection of its own (see cluster.py)."""
-        if self._cluster is None:
-            self._cluster = ClusterConnections(
-                self._chosen,
-                url=self._url,
-                client=self._client,
-                max_connections=self._max_connections,
-                pool_timeout_s=self._pool_timeout_s,
-                socket_timeout_s=self._socket_timeout_s,
-                connect_timeout_s=self._connect_timeout_s,
-                wait_timeout_ms=self._wait_timeout_ms,
-            )
-            self._client = self._cluster.client
-        masters = await self._cluster.start()
-        return masters[0].durability()
-
-    def _route(self, key: str) -> tuple[Any, Callable[[], Durability]]:
-        """The pool that serves ``key`` and the guarantee its connections proved."""
-        if self._cluster is not None:
-            pool = self._cluster.pool_for(key)
-            return pool, pool.durability
-        return self._client.connection_pool, self._current_durability
-
-    def _current_durability(self) -> Durability:
-        """What the latest connection proved (a server may come back configured otherwise)."""
-        if self._connections is not None and self._connections.durability is not None:
-            return self._connections.durability
-        assert self.durability is not None
-        return self.durability
+        return await self._reach.check()
 
     start = check
+
+    async def ping(self) -> None:
+        """One PING on the store's own client (its pool, its password): for readiness."""
+        if self._reach.client is None:
+            raise TokenCaptureError(f"{self.where}: not started")
+        await self._reach.client.ping()
 
     async def __aenter__(self) -> Self:
         return self
@@ -244,51 +171,7 @@ class RedisTokenStore:
         if self._closed:
             return
         self._closed = True
-        if self._owns_client and self._client is not None:
-            await self._client.aclose()
-        elif self._cluster is not None:  # a client passed in keeps running, minus our pools
-            self._client.connection_kwargs.pop("redis_connect_func", None)
-
-    async def _retrying(self, operation: Callable[[], Awaitable[T]]) -> T:
-        """Run ``operation``; on a connection failure retry it a bounded number of times.
-
-        Every operation here is safe to repeat: a put whose EXEC landed but whose reply was
-        lost finds its own digest on the retry and returns as a no-op.
-        """
-        last: Exception | None = None
-        # A cluster replacing a lost master is unreachable for a while (its node timeout,
-        # then an election): keep trying that long, on a fresh slot map each time.
-        deadline = time.monotonic() + (self._failover_timeout_s if self.cluster else 0)
-        tries = 0
-        while True:
-            try:
-                return await operation()
-            except AuthenticationError:
-                raise  # wrong credentials do not get better by retrying
-            except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS) as exc:
-                last = exc
-            except ConfigError as exc:
-                if not (self.cluster and self.durability is not None):
-                    raise
-                # A master promoted after start that cannot prove the guarantee yet (with
-                # replicas:N, until its lost peer is back as its replica): wait for it.
-                last = exc
-            tries += 1
-            if tries > self._max_retries and time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(min(RETRY_PAUSE_S * 2 ** min(tries - 1, 8), RETRY_MAX_PAUSE_S))
-            if self._cluster is not None:
-                await self._refresh()
-        raise RedisUnavailableError(
-            f"{self.where} unreachable after {tries} attempts: {last}"
-        ) from last
-
-    async def _refresh(self) -> None:
-        """Read the cluster's slot map again; a failure is the next attempt's to report."""
-        try:
-            await self._cluster.refresh()
-        except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS):
-            pass
+        await self._reach.close()
 
     async def _transact(self, rollout_id: str, operation: Operation) -> Any:
         """Run ``operation`` on the rollout as a transaction until it wins the race."""
@@ -296,11 +179,11 @@ class RedisTokenStore:
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
 
         async def once() -> Any:
-            pool, durability = self._route(key)  # asked again on each try: a slot may move
+            pool, durability = self._reach.route(key)  # asked again on each try: a slot may move
             return await attempt(pool, key, operation, durability)
 
         for lost in range(self._max_watch_retries):
-            plan = await self._retrying(once)
+            plan = await self._reach.retrying(once)
             if plan is not None:
                 if plan.error is not None:
                     raise plan.error
@@ -328,7 +211,7 @@ class RedisTokenStore:
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
         attempt = Put.plan(encoded, self._known.get(rollout_id))
         for _ in range(self._max_watch_retries):
-            reply, waited, proven = await self._retrying(
+            reply, waited, proven = await self._reach.retrying(
                 lambda attempt=attempt: self._batch(key).run(key, attempt.args)
             )
             outcome, _, epoch = reply.partition(b" ") if type(reply) is bytes else (b"", b"", b"")
@@ -361,7 +244,7 @@ class RedisTokenStore:
 
     def _batch(self, key: str) -> ScriptBatch:
         """The put batch of the pool serving ``key`` (on a cluster, one per master)."""
-        pool, durability = self._route(key)
+        pool, durability = self._reach.route(key)
         batch = self._puts.get(pool)
         if batch is None:
             batch = self._puts[pool] = ScriptBatch(pool, PUT_SCRIPT, PUT_SHA, durability)
@@ -403,7 +286,7 @@ class RedisTokenStore:
         """Remove everything of one rollout, tombstone included (administrative)."""
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        await self._retrying(lambda: execute_raw(self._route(key)[0], "DEL", key))
+        await self._reach.retrying(lambda: execute_raw(self._reach.route(key)[0], "DEL", key))
 
     async def run_durably(self, key: str, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Run ``commands`` (all on ``key``'s slot) and the durability wait after them on one
@@ -415,22 +298,17 @@ class RedisTokenStore:
         await self.check()
 
         async def once() -> list[Any]:
-            pool, durability = self._route(key)
+            pool, durability = self._reach.route(key)
             return await run_durably(pool, commands, durability)
 
-        return await self._retrying(once)
+        return await self._reach.retrying(once)
 
     async def sweep_tombstones(self, older_than_s: float | None = None) -> int:
         """Delete tombstones retired more than ``older_than_s`` ago (default: the TTL)."""
         await self.check()
         limit = self.tombstone_ttl_s if older_than_s is None else older_than_s
-        # A cluster's keys are spread over its masters: each is scanned in turn.
-        if self._cluster is not None:
-            pools = [pool for pool in self._cluster.masters()]
-        else:
-            pools = [self._client.connection_pool]
         swept = 0
-        for pool in pools:
+        for pool in self._reach.pools():  # a cluster's keys: each master scanned in turn
             swept += await self._sweep_one_server(pool, limit)
         return swept
 
@@ -438,7 +316,7 @@ class RedisTokenStore:
         pattern = k.rollout_pattern(self.key_prefix)
         swept, cursor = 0, b"0"
         while True:
-            cursor, keys = await self._retrying(
+            cursor, keys = await self._reach.retrying(
                 lambda c=cursor: execute_raw(pool, "SCAN", c, "MATCH", pattern, "COUNT", 500)
             )
             for key in keys:
@@ -475,7 +353,11 @@ class RedisTokenStore:
         """Every field of the rollout's hash, read once without changing it."""
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
-        return pairs(await self._retrying(lambda: execute_raw(self._route(key)[0], "HGETALL", key)))
+        return pairs(
+            await self._reach.retrying(
+                lambda: execute_raw(self._reach.route(key)[0], "HGETALL", key)
+            )
+        )
 
 
 RedisTokenSink = RedisTokenStore

@@ -1,0 +1,191 @@
+"""How a store reaches its Redis: one server, or the masters of a Redis Cluster.
+
+``RedisReach`` owns the client and its connections, proves the chosen durability before the
+first write (every connection of a pool it built proves itself as it opens, see
+``transports.redis.connections`` and ``transports.redis.cluster``), names the pool that
+serves a key with the guarantee that pool proved, and retries an operation through lost
+connections and a cluster's failover. The store decides what to write; this decides where
+it goes and rides out the outages on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from redis.exceptions import AuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from capture.errors import ConfigError, TokenCaptureError
+from transports.redis.checks import server_name
+from transports.redis.cluster import TOPOLOGY_ERRORS, ClusterConnections
+from transports.redis.connections import ProvingConnections
+from transports.redis.durability import Durability, check_durability
+from transports.redis.watch import execute_raw
+
+T = TypeVar("T")
+# A connection failure is retried after 50 ms, doubling up to 0.5 s between attempts.
+RETRY_PAUSE_S, RETRY_MAX_PAUSE_S = 0.05, 0.5
+
+
+class RedisUnavailableError(TokenCaptureError, ConnectionError):
+    """Redis could not be reached within the bounded retries; nothing is assumed stored."""
+
+
+class RedisReach:
+    """The client, its proven connections and the retries of one store (keyword arguments
+    as ``RedisTokenStore`` takes them; ``chosen`` is its parsed ``durability``)."""
+
+    def __init__(
+        self,
+        *,
+        url: str | None,
+        client: Any,
+        chosen: Durability,
+        cluster: bool,
+        socket_timeout_s: float,
+        connect_timeout_s: float,
+        wait_timeout_ms: int,
+        max_retries: int,
+        max_connections: int,
+        pool_timeout_s: float,
+        failover_timeout_s: float,
+    ) -> None:
+        self.url = url
+        self.client = client
+        self.owns_client = client is None
+        self.chosen = chosen
+        self.cluster = cluster
+        self.durability: Durability | None = None  # set once proven against the server
+        self._pool_options = dict(
+            max_connections=max_connections,
+            pool_timeout_s=pool_timeout_s,
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            wait_timeout_ms=wait_timeout_ms,
+        )
+        self._wait_timeout_ms = wait_timeout_ms
+        self._max_retries = max_retries
+        self._failover_timeout_s = failover_timeout_s
+        self._connections: ProvingConnections | None = None  # None for a client passed in
+        self._cluster: ClusterConnections | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def where(self) -> str:
+        """The server, for messages; never the password."""
+        if self.client is None:
+            return "redis (not connected yet)"
+        return server_name(self.client)
+
+    async def check(self) -> Durability:
+        """Connect and prove the durability guarantee once; what it is now, after that."""
+        if self.durability is None:
+            async with self._lock:
+                if self.durability is None:
+                    self.durability = await self.retrying(self._prove)
+        return self._current_durability()
+
+    async def _prove(self) -> Durability:
+        """The first proof: a connection of our own pool proves itself as it opens."""
+        if self.cluster:
+            return await self._prove_cluster()
+        if self.client is None:
+            assert self.url is not None
+            self._connections = ProvingConnections(self.url, self.chosen, **self._pool_options)
+            self.client = self._connections.client
+        pool = self.client.connection_pool
+        if self._connections is not None and self.chosen.mode != "none":
+            connection = await pool.get_connection()
+            await pool.release(connection)
+            assert self._connections.durability is not None
+            return self._connections.durability
+
+        async def execute(*args: Any) -> Any:
+            return await execute_raw(pool, *args)
+
+        return await check_durability(
+            execute, self.chosen, where=self.where, wait_timeout_ms=self._wait_timeout_ms
+        )
+
+    async def _prove_cluster(self) -> Durability:
+        """Every master proves the guarantee on a connection of its own (see cluster.py)."""
+        if self._cluster is None:
+            self._cluster = ClusterConnections(
+                self.chosen, url=self.url, client=self.client, **self._pool_options
+            )
+            self.client = self._cluster.client
+        masters = await self._cluster.start()
+        return masters[0].durability()
+
+    def route(self, key: str) -> tuple[Any, Callable[[], Durability]]:
+        """The pool that serves ``key`` and the guarantee its connections proved."""
+        if self._cluster is not None:
+            pool = self._cluster.pool_for(key)
+            return pool, pool.durability
+        return self.client.connection_pool, self._current_durability
+
+    def pools(self) -> list[Any]:
+        """Every server's pool: a cluster's masters in turn, or the one server's."""
+        if self._cluster is not None:
+            return list(self._cluster.masters())
+        return [self.client.connection_pool]
+
+    def _current_durability(self) -> Durability:
+        """What the latest connection proved (a server may come back configured otherwise)."""
+        if self._connections is not None and self._connections.durability is not None:
+            return self._connections.durability
+        assert self.durability is not None
+        return self.durability
+
+    async def retrying(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run ``operation``; on a connection failure retry it a bounded number of times.
+
+        Every operation of the store is safe to repeat: a put whose EXEC landed but whose
+        reply was lost finds its own digest on the retry and returns as a no-op.
+        """
+        last: Exception | None = None
+        # A cluster replacing a lost master is unreachable for a while (its node timeout,
+        # then an election): keep trying that long, on a fresh slot map each time.
+        deadline = time.monotonic() + (self._failover_timeout_s if self.cluster else 0)
+        tries = 0
+        while True:
+            try:
+                return await operation()
+            except AuthenticationError:
+                raise  # wrong credentials do not get better by retrying
+            except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS) as exc:
+                last = exc
+            except ConfigError as exc:
+                if not (self.cluster and self.durability is not None):
+                    raise
+                # A master promoted after start that cannot prove the guarantee yet (with
+                # replicas:N, until its lost peer is back as its replica): wait for it.
+                last = exc
+            tries += 1
+            if tries > self._max_retries and time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(RETRY_PAUSE_S * 2 ** min(tries - 1, 8), RETRY_MAX_PAUSE_S))
+            if self._cluster is not None:
+                await self._refresh()
+        raise RedisUnavailableError(
+            f"{self.where} unreachable after {tries} attempts: {last}"
+        ) from last
+
+    async def _refresh(self) -> None:
+        """Read the cluster's slot map again; a failure is the next attempt's to report."""
+        assert self._cluster is not None
+        try:
+            await self._cluster.refresh()
+        except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS):
+            pass
+
+    async def close(self) -> None:
+        """Close a client we built; a client passed in keeps running, minus our pools."""
+        if self.owns_client and self.client is not None:
+            await self.client.aclose()
+        elif self._cluster is not None:
+            self.client.connection_kwargs.pop("redis_connect_func", None)
