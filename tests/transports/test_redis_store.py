@@ -19,6 +19,7 @@ from capture.config import load_capture_config
 from capture.errors import ConfigError
 from capture.protocols import IntentSink, TokenSink, TokenSource
 from tests.support.fixtures_stores import make_token_entry
+from tests.support.rollouts import growing_rollout
 from transports.redis import RedisTokenSink, RedisTokenSource, RedisTokenStore
 from transports.redis.keys import rollout_key
 
@@ -331,3 +332,27 @@ async def test_a_flushed_script_cache_is_loaded_again(store, raw, redis_prefix):
     raw.script_flush()
     await store.put(make_token_entry("flushed", "c-2"))
     assert len((await store.freeze("flushed")).entries) == 2
+
+
+async def test_a_payload_stored_at_another_block_size_teaches_no_block_names(
+    redis_url, redis_prefix
+):
+    """Writers of one rollout may cut blocks at different sizes. A put answered "same" (the
+    payload was stored by the other writer) must not count its own blocks as held, or the
+    next put would leave them out and the rollout would not decode."""
+    calls = growing_rollout("mixed", 3, system_tokens=600, generated_per_turn=40)
+    first = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
+    second = RedisTokenStore(url=redis_url, key_prefix=redis_prefix, block_size=64)
+    try:
+        await first.put(calls[0])
+        await second.put(calls[0])  # the same payload: "same"
+        await second.put(calls[1])
+        await first.put(calls[2])
+        snapshot = await first.freeze("mixed")
+        assert not snapshot.incomplete
+        assert [entry.model_dump() for entry in snapshot.entries] == [
+            call.model_dump() for call in calls
+        ]
+    finally:
+        await first.close()
+        await second.close()

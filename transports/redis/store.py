@@ -218,7 +218,10 @@ class RedisTokenStore:
             if outcome in (b"stored", b"same"):
                 if outcome == b"stored" or proven.wait:
                     proven.verify(waited)
-                self._known.remember(rollout_id, attempt.learned(epoch))
+                if outcome == b"stored":
+                    # "same": an earlier put stored this payload, maybe cut at another block
+                    # size, so this put's block names are not known to be held.
+                    self._known.remember(rollout_id, attempt.learned(epoch))
                 return
             if outcome == b"frozen":
                 raise RolloutFrozenError(
