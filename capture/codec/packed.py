@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any, overload
+from typing import Any
 
 from capture.codec.listlike import ListLikeIds
 
@@ -90,23 +90,11 @@ class PackedIds(ListLikeIds):
     def __len__(self) -> int:
         return len(self.data) // ID_WIDTH
 
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        if isinstance(index, slice):
-            first, last, step = index.indices(len(self))
-            if step == 1:
-                view = memoryview(self.data)[first * ID_WIDTH : max(first, last) * ID_WIDTH]
-                return unpack_ids(view)
-            return self.tolist()[index]
-        size = len(self)
-        if index < 0:
-            index += size
-        if not 0 <= index < size:
-            raise IndexError("PackedIds index out of range")
+    def _at(self, index: int) -> int:
         return int.from_bytes(self.data[index * ID_WIDTH : (index + 1) * ID_WIDTH], "little")
+
+    def _range(self, first: int, last: int) -> list[int]:
+        return unpack_ids(memoryview(self.data)[first * ID_WIDTH : last * ID_WIDTH])
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedIds):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 from capture.codec.listlike import ListLikeIds
 from capture.codec.packed import PackedIds
@@ -38,22 +38,11 @@ class IdView(ListLikeIds):
     def __len__(self) -> int:
         return self.stop - self.start
 
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        if isinstance(index, slice):
-            first, last, step = index.indices(self.stop - self.start)
-            if step == 1:
-                return _listed(self.base[self.start + first : self.start + max(first, last)])
-            return self.tolist()[index]
-        size = self.stop - self.start
-        if index < 0:
-            index += size
-        if not 0 <= index < size:
-            raise IndexError("IdView index out of range")
+    def _at(self, index: int) -> int:
         return self.base[self.start + index]
+
+    def _range(self, first: int, last: int) -> list[int]:
+        return _listed(self.base[self.start + first : self.start + last])
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, IdView):
