@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_capture import FINAL_ANSWER, synthetic_rollout
-from bench.bench_redis import child_load
+from bench.bench_redis import child_load, run_together
 from tokcap.processes import stop_process
 from tokcap.redis_cluster import LocalCluster
 from tokcap.redis_server import RedisServer
@@ -70,25 +70,11 @@ def _child(*args: str) -> subprocess.Popen:
 
 
 def puts_per_s(target: Target, prefix: str, args: argparse.Namespace) -> float:
-    procs = []
-    try:
-        for n in range(args.procs):
-            flag = "1" if target.cluster else "0"
-            config = [target.url, flag, f"{prefix}p{n}", str(args.rollouts), str(args.turns)]
-            procs.append(_child(*config))
-        for proc in procs:
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"bench child {proc.pid} did not get ready")
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        replies = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=600)
-            replies.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            stop_process(proc)
+    flag = "1" if target.cluster else "0"
+    replies = run_together(
+        args.procs,
+        lambda n: _child(target.url, flag, f"{prefix}p{n}", str(args.rollouts), str(args.turns)),
+    )
     seconds = max(r["ended"] for r in replies) - min(r["started"] for r in replies)
     return sum(r["puts"] for r in replies) / seconds
 

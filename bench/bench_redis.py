@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,23 +208,33 @@ def run_put(tree: Path, url: str, prefix: str, trials: int) -> dict[str, Any]:
         stop_process(proc)
 
 
-def run_load(tree: Path, url: str, prefix: str, turns: int) -> dict[str, float]:
-    """Durable puts/s of LOAD_PROCESSES processes x LOAD_ROLLOUTS rollouts, one common start."""
-    procs = [
-        _child(tree, "load", url, f"{prefix}p{n}", str(LOAD_ROLLOUTS), str(turns), stdin=-1)
-        for n in range(LOAD_PROCESSES)
-    ]
+def run_together(count: int, start: Callable[[int], subprocess.Popen]) -> list[dict[str, Any]]:
+    """``count`` load children (``start(n)``): each says it is ready, then all are told to
+    go at once; their replies. Every child is stopped by PID, also on failure."""
+    procs: list[subprocess.Popen] = []
     try:
+        for n in range(count):
+            procs.append(start(n))
         for proc in procs:
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"bench child {proc.pid} did not get ready")
         for proc in procs:
             proc.stdin.write("go\n")
             proc.stdin.flush()
-        replies = [_reply(proc) for proc in procs]
+        return [_reply(proc) for proc in procs]
     finally:
         for proc in procs:
             stop_process(proc)
+
+
+def run_load(tree: Path, url: str, prefix: str, turns: int) -> dict[str, float]:
+    """Durable puts/s of LOAD_PROCESSES processes x LOAD_ROLLOUTS rollouts, one common start."""
+    replies = run_together(
+        LOAD_PROCESSES,
+        lambda n: _child(
+            tree, "load", url, f"{prefix}p{n}", str(LOAD_ROLLOUTS), str(turns), stdin=-1
+        ),
+    )
     seconds = max(r["ended"] for r in replies) - min(r["started"] for r in replies)
     puts = sum(r["puts"] for r in replies)
     cpu_ms = sum(r["cpu_s"] for r in replies) * 1000 / puts
