@@ -216,7 +216,7 @@ def encode_entry(
     if block_size == DEFAULT_BLOCK_SIZE:
         canonical = chain
     else:
-        canonical = cut(pack_ids(prompt) + pack_ids(generation), DEFAULT_BLOCK_SIZE)
+        canonical = cut(pack_ids(prompt) + generation_bytes, DEFAULT_BLOCK_SIZE)
     hasher = hashlib.blake2b(prompt_len.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
     hasher.update(canonical[-1].name.encode() if canonical else b"-")
     hasher.update(log_probs)

@@ -67,7 +67,6 @@ class RedisReach:
             connect_timeout_s=connect_timeout_s,
             wait_timeout_ms=wait_timeout_ms,
         )
-        self._wait_timeout_ms = wait_timeout_ms
         self._max_retries = max_retries
         self._failover_timeout_s = failover_timeout_s
         self._connections: ProvingConnections | None = None  # None for a client passed in
@@ -108,7 +107,10 @@ class RedisReach:
             return await execute_raw(pool, *args)
 
         return await check_durability(
-            execute, self.chosen, where=self.where, wait_timeout_ms=self._wait_timeout_ms
+            execute,
+            self.chosen,
+            where=self.where,
+            wait_timeout_ms=self._pool_options["wait_timeout_ms"],
         )
 
     async def _prove_cluster(self) -> Durability:

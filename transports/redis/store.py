@@ -124,7 +124,6 @@ class RedisTokenStore:
             failover_timeout_s=failover_timeout_s,
         )
         self.key_prefix = key_prefix
-        self.cluster = cluster
         self.tombstone_ttl_s = tombstone_ttl_s
         self.evidence_ttl_s = evidence_ttl_s
         self._max_watch_retries = max_watch_retries
@@ -141,6 +140,11 @@ class RedisTokenStore:
     def where(self) -> str:
         """The server, for messages; never the password."""
         return self._reach.where
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the store writes to a Redis Cluster's masters."""
+        return self._reach.cluster
 
     @property
     def durability(self) -> Durability | None:
