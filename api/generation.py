@@ -15,8 +15,6 @@ which placeholders) before calling them:
 from __future__ import annotations
 
 import math
-import sys
-from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -159,15 +157,13 @@ def checked_ids(
     """
     if list(map(type, ids)).count(int) == len(ids):
         try:
-            packed = array("I", ids)
-        except OverflowError:
+            packed = pack_ids(ids)
+        except ValueError:
             pass  # negative or 2**32 and beyond: the loop below names it
         else:
-            largest = int(numpy.frombuffer(packed, dtype=numpy.uint32).max()) if ids else -1
+            largest = int(numpy.frombuffer(packed, dtype="<u4").max()) if ids else -1
             if vocab_size is None or largest < vocab_size:
-                if sys.byteorder != "little":
-                    packed.byteswap()
-                return packed.tobytes(), None
+                return packed, None
     for position, token_id in enumerate(ids):
         if type(token_id) is not int or token_id < 0:
             return None, f"{what} id {position} is {token_id!r}, not an integer >= 0"
