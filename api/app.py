@@ -272,6 +272,22 @@ async def _sink_problem(sink: TokenSink | None) -> str | None:
     return None
 
 
+async def _sink_memory(sink: TokenSink | None, metrics: FrontEndMetrics) -> list[dict[str, Any]]:
+    """Memory used against ``maxmemory`` on each server of a Redis sink (none for others),
+    also set on the metrics' gauges; a server that does not answer is ``/ready``'s PING
+    problem, so it is left out here."""
+    memory = getattr(sink, "memory", None)
+    if not callable(memory):
+        return []
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            readouts = await memory()
+    except Exception:  # not ready is said by the PING; the headroom is only informative
+        return []
+    metrics.record_memory(readouts)
+    return [readout.as_dict() for readout in readouts]
+
+
 async def _upstream_problem(upstream: UpstreamClient) -> str | None:
     """Why the upstream cannot serve a call now (GET /v1/models), or None."""
     try:
@@ -287,25 +303,30 @@ async def _upstream_problem(upstream: UpstreamClient) -> str | None:
 async def ready(request: Request) -> Response:
     """Readiness: 200 when the sink and the upstream answer, else 503 naming what does not.
 
-    Both are asked at once, each within READY_TIMEOUT_S, so a load balancer's probe gets its
-    answer in about that time even when both are down.
+    All are asked at once, each within READY_TIMEOUT_S, so a load balancer's probe gets its
+    answer in about that time even when both are down. A Redis sink's memory headroom rides
+    along (``redis_memory``): a server at its ``maxmemory`` refuses the next writes.
     """
     state = request.app.state
-    sink_problem, upstream_problem = await asyncio.gather(
-        _sink_problem(state.sink_slot.sink), _upstream_problem(state.upstream)
+    sink = state.sink_slot.sink
+    sink_problem, upstream_problem, memory = await asyncio.gather(
+        _sink_problem(sink), _upstream_problem(state.upstream), _sink_memory(sink, state.metrics)
     )
     problems = {
         name: problem
         for name, problem in (("sink", sink_problem), ("upstream", upstream_problem))
         if problem is not None
     }
+    extra = {"redis_memory": memory} if memory else {}
     if problems:
-        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
-    return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "problems": problems, **extra}, status_code=503)
+    return JSONResponse({"status": "ready", **extra})
 
 
 async def metrics(request: Request) -> Response:
-    data, content_type = request.app.state.metrics.exposition()
+    state = request.app.state
+    await _sink_memory(state.sink_slot.sink, state.metrics)  # the gauges, read now
+    data, content_type = state.metrics.exposition()
     return Response(data, media_type=content_type)
 
 

@@ -10,9 +10,11 @@ and ``exposition()`` sums all workers' files (``MultiProcessCollector``).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -100,6 +102,30 @@ class FrontEndMetrics:
             ["reason"],
             registry=self.registry,
         )
+
+        # Read off the sink's Redis at each scrape and readiness probe; across workers the
+        # latest reading of each server is shown.
+        self.redis_used_memory = Gauge(
+            "tokcap_redis_used_memory_bytes",
+            "Memory the capture Redis uses (INFO memory used_memory), per server",
+            ["server"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.redis_max_memory = Gauge(
+            "tokcap_redis_maxmemory_bytes",
+            "The capture Redis's maxmemory (0: no limit), per server; full, it refuses writes",
+            ["server"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+
+    def record_memory(self, readouts: Iterable[Any]) -> None:
+        """Set the memory gauges from ``transports.redis.eviction.Memory`` readouts."""
+        for memory in readouts:
+            server = memory.where.removeprefix("redis at ")
+            self.redis_used_memory.labels(server=server).set(memory.used_bytes)
+            self.redis_max_memory.labels(server=server).set(memory.max_bytes)
 
     def record_prompt(self, continued: bool, fallback: str | None) -> None:
         self.faithful_prompts.labels(kind="continued" if continued else "root").inc()

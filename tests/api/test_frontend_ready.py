@@ -81,3 +81,34 @@ def test_an_upstream_that_never_answers_is_not_ready_within_the_timeout(tmp_path
             took = time.monotonic() - started
     assert response.status_code == 503 and set(response.json()["problems"]) == {"upstream"}
     assert took < READY_TIMEOUT_S + 2, f"a probe waited {took:.1f} s"
+
+
+def test_ready_and_metrics_show_the_redis_memory_headroom(
+    redis_server_factory, redis_prefix: str
+) -> None:
+    """Used memory against maxmemory, per server: seen before a full Redis refuses writes."""
+    server = redis_server_factory(maxmemory="48mb")
+    capture = TokenIdCaptureConfig(
+        enabled=True,
+        sink="transports.redis:RedisTokenSink",
+        sink_kwargs={"url": server.url, "key_prefix": redis_prefix},
+    )
+    with (
+        engine_server() as engine,
+        front_end(ServerSettings(upstream=engine, capture=capture)) as front,
+    ):
+        ready = httpx.get(front + "/ready", timeout=30)
+        scraped = httpx.get(front + "/metrics", timeout=30).text
+    assert ready.status_code == 200
+    (memory,) = ready.json()["redis_memory"]
+    assert memory["server"] == f"redis at 127.0.0.1:{server.port}"
+    assert memory["max_bytes"] == 48 * 1024 * 1024 and memory["policy"] == "noeviction"
+    assert 0 < memory["used_bytes"] < memory["max_bytes"]
+    label = f'server="127.0.0.1:{server.port}"'
+    gauges = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in scraped.splitlines()
+        if line.startswith("tokcap_redis_")
+    }
+    assert gauges[f"tokcap_redis_maxmemory_bytes{{{label}}}"] == 48 * 1024 * 1024
+    assert 0 < gauges[f"tokcap_redis_used_memory_bytes{{{label}}}"] < 48 * 1024 * 1024

@@ -204,6 +204,27 @@ def test_a_worker_that_fails_start_up_fails_the_command(
     assert_no_secret("the refusal", done.stdout + done.stderr)
 
 
+def test_an_evicting_redis_fails_the_command_naming_the_fix(
+    tmp_path: Path, redis_server_factory
+) -> None:
+    """An allkeys-* Redis would delete rollouts under memory pressure: refused at start-up."""
+    redis = redis_server_factory(requirepass=REDIS_SECRET, **{"maxmemory-policy": "allkeys-lru"})
+    config = tmp_path / "serve.yaml"
+    config.write_text(CONFIG)
+    args = _serve_args(config, free_port(), "http://127.0.0.1:1", "--skip-probe")
+    done = subprocess.run(
+        args,
+        env={**os.environ, "TOKCAP_REDIS_URL": _redis_url(redis.port)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert done.stderr.count("maxmemory-policy allkeys-lru") == 1
+    assert "set maxmemory-policy noeviction" in done.stderr and "Traceback" not in done.stderr
+    assert_no_secret("the refusal", done.stdout + done.stderr)
+
+
 def test_an_unreachable_sink_fails_the_command(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)

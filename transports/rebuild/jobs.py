@@ -24,6 +24,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from capture.rollout_ids import rollout_id_from_run_body
 from transports.rebuild.layout import agree_on_layout
+from transports.redis.eviction import check_client_eviction
 from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 
 JOB_FORMAT_VERSION = 1
@@ -133,6 +134,7 @@ class RebuildQueue:
         fields = encode_job(record)
         if not self._layout_agreed:
             shards = len(self.streams)
+            await check_client_eviction(self.client)
             await agree_on_layout(self.client, self._base, shards, self._cluster, "submitter")
             self._layout_agreed = True
         job_id = await self.client.xadd(self.stream_of(fields["rollout_id"]), fields)

@@ -28,6 +28,7 @@ from redis.exceptions import ResponseError
 
 from capture.codec.views import IdView, json_default, shares_prefix
 from transports.rebuild.layout import agree_on_layout
+from transports.redis.eviction import check_client_eviction
 from transports.redis.keys import as_text, stream_names
 
 RESULT_ID_KEY = "_ng_result_id"
@@ -248,7 +249,8 @@ class ResultsReader(BufferedReader):
         """Up to ``count`` records (own pending first, then claimed, then new); [] on timeout."""
         count = count or self.count
         if not self._group_ready:
-            if self._check_layout:
+            if self._check_layout:  # a shard's reader leaves both checks to its whole queue
+                await check_client_eviction(self.client)
                 await agree_on_layout(self.client, self.stream, 1, False, "results reader")
             await ensure_group(self.client, self.stream, self.group)
             self._group_ready = True

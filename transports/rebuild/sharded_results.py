@@ -27,6 +27,7 @@ from transports.rebuild.results import (
     ResultsReader,
     result_id_of,
 )
+from transports.redis.eviction import check_client_eviction
 from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 
 # How long a look at one shard waits while others remain to be looked at (1 ms is the
@@ -91,6 +92,7 @@ class ShardedResultsReader(BufferedReader):
         """Up to ``count`` records from the shards; [] when all stayed empty."""
         count = count or self.count
         if not self._layout_agreed:
+            await check_client_eviction(self.client)
             await agree_on_layout(self.client, *self._layout, "results reader")
             self._layout_agreed = True
         block = self.block_ms if block_ms is None else block_ms

@@ -1,10 +1,12 @@
-"""A Redis client whose every connection proves durability before it carries a write.
+"""A Redis client whose every connection proves the server keeps writes before it carries one.
 
-Proving the guarantee once at start-up trusts whatever server answers later: a redis-server
-restarted from another config, or a failover to a replica without AOF, comes back on fresh
-connections that redis-py opens by itself. So each new connection runs the durability check
-on itself, right after its handshake and before the pool hands it out; a failed proof closes
-it and raises, and the write fails instead of being acknowledged without the guarantee.
+Proving the server once at start-up trusts whatever server answers later: a redis-server
+restarted from another config, a failover to a replica without AOF, or an eviction policy
+set while tokcap runs, comes back on fresh connections that redis-py opens by itself. So
+each new connection proves on itself, right after its handshake and before the pool hands
+it out, that the server does not evict (``transports.redis.eviction``) and meets the chosen
+durability (``transports.redis.durability``); a failed proof closes it and raises, and the
+write fails instead of being acknowledged by a server that may lose it.
 
 The pool blocks for a free connection (up to ``pool_timeout_s``) when all
 ``max_connections`` are in use, instead of failing at once as redis-py's default pool does
@@ -21,7 +23,8 @@ from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from transports.redis.durability import Durability, check_durability
+from transports.redis.durability import Durability, Execute, check_durability
+from transports.redis.eviction import check_eviction
 
 log = logging.getLogger("tokcap.redis")
 
@@ -32,6 +35,18 @@ def connection_name(connection: AbstractConnection) -> str:
     if path:
         return f"redis at {path}"
     return f"redis at {getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
+
+
+async def prove_server(
+    execute: Execute, chosen: Durability, *, where: str, wait_timeout_ms: int
+) -> Durability:
+    """The server at ``where`` evicts nothing and meets ``chosen``: what it proved, else raise.
+
+    Eviction is refused whatever the durability: ``durability='none'`` accepts losing
+    writes in a crash, not rollouts deleted by a full server while it runs.
+    """
+    await check_eviction(execute, where)
+    return await check_durability(execute, chosen, where=where, wait_timeout_ms=wait_timeout_ms)
 
 
 class Prover:
@@ -52,16 +67,17 @@ class Prover:
         """The handshake, then the proof on this very connection (see the module doc)."""
         await connection.on_connect()
         where = connection_name(connection)
-        if self.chosen.mode == "none":  # the explicit opt-out was logged once, at start-up
-            self.durability = self.proven[where] = self.chosen
-            return
 
         async def execute(*args: Any) -> Any:
             await connection.send_command(*args)
             return await connection.read_response(disable_decoding=True)
 
         try:
-            proven = await check_durability(
+            if self.chosen.mode == "none":  # the opt-out was logged once, at start-up
+                await check_eviction(execute, where)
+                self.durability = self.proven[where] = self.chosen
+                return
+            proven = await prove_server(
                 execute, self.chosen, where=where, wait_timeout_ms=self.wait_timeout_ms
             )
         except BaseException:

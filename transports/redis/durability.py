@@ -71,7 +71,7 @@ class Durability:
             )
 
 
-def _info(raw: Any) -> dict[str, str]:
+def info_fields(raw: Any) -> dict[str, str]:
     """INFO as text fields, whether the reply is raw or was parsed into a dict by redis-py."""
     if isinstance(raw, dict):
         return {as_text(name): as_text(value) for name, value in raw.items()}
@@ -116,7 +116,7 @@ async def _prove_replicas(
     execute: Execute, replicas: int, where: str, wait_timeout_ms: int
 ) -> Durability:
     """A primary with enough connected replicas; every write then waits for them."""
-    info = _info(await execute("INFO", "replication"))
+    info = info_fields(await execute("INFO", "replication"))
     connected = int(info.get("connected_slaves", "0"))
     if info.get("role") != "master" or connected < replicas:
         raise ConfigError(
@@ -130,12 +130,12 @@ async def _prove_replicas(
 
 async def _prove_fsync(execute: Execute, where: str, wait_timeout_ms: int) -> Durability:
     """AOF with appendfsync always, or AOF on a server whose writes can wait with WAITAOF."""
-    server = _info(await execute("INFO", "server"))
+    server = info_fields(await execute("INFO", "server"))
     has_waitaof = _version(server) >= _WAITAOF_SINCE
     waitaof = Durability("fsync", 0, (("WAITAOF", 1, 0, wait_timeout_ms),), "WAITAOF 1 0")
     appendonly = await _config(execute, "appendonly")
     if appendonly is None:
-        persistence = _info(await execute("INFO", "persistence"))
+        persistence = info_fields(await execute("INFO", "persistence"))
         if has_waitaof and persistence.get("aof_enabled") == "1":
             return waitaof
         raise ConfigError(

@@ -22,8 +22,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from capture.errors import ConfigError, TokenCaptureError
 from transports.redis.checks import server_name
 from transports.redis.cluster import TOPOLOGY_ERRORS, ClusterConnections
-from transports.redis.connections import ProvingConnections
-from transports.redis.durability import Durability, check_durability
+from transports.redis.connections import ProvingConnections, prove_server
+from transports.redis.durability import Durability
+from transports.redis.eviction import Memory, read_memory
 from transports.redis.watch import execute_raw
 
 T = TypeVar("T")
@@ -106,7 +107,7 @@ class RedisReach:
         async def execute(*args: Any) -> Any:
             return await execute_raw(pool, *args)
 
-        return await check_durability(
+        return await prove_server(
             execute,
             self.chosen,
             where=self.where,
@@ -135,6 +136,17 @@ class RedisReach:
         if self._cluster is not None:
             return list(self._cluster.masters())
         return [self.client.connection_pool]
+
+    async def memory(self) -> list[Memory]:
+        """``INFO memory`` of every server the store writes to (a cluster's masters)."""
+
+        async def read(pool: Any) -> Memory:
+            async def execute(*args: Any) -> Any:
+                return await execute_raw(pool, *args)
+
+            return await read_memory(execute, getattr(pool, "name", None) or self.where)
+
+        return [await self.retrying(lambda pool=pool: read(pool)) for pool in self.pools()]
 
     def _current_durability(self) -> Durability:
         """What the latest connection proved (a server may come back configured otherwise)."""

@@ -37,6 +37,7 @@ from capture.rollout_ids import validate_rollout_id
 from transports.redis import keys as k
 from transports.redis.checks import check_call_id, check_limits, check_server
 from transports.redis.durability import Durability
+from transports.redis.eviction import Memory
 from transports.redis.plans import (
     Drop,
     Freeze,
@@ -164,6 +165,12 @@ class RedisTokenStore:
         if self._reach.client is None:
             raise TokenCaptureError(f"{self.where}: not started")
         await self._reach.client.ping()
+
+    async def memory(self) -> list[Memory]:
+        """Memory used against ``maxmemory``, per server (each master of a cluster): the
+        headroom left before a full server refuses writes."""
+        await self.check()
+        return await self._reach.memory()
 
     async def __aenter__(self) -> Self:
         return self
