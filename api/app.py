@@ -9,6 +9,7 @@ the reply, streamed or not. Each step reads only the previous step's output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api import sse
 from api.capture_step import capture
+from api.collisions import CollisionWatch
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
 from api.generation import Generation, UpstreamError
@@ -32,7 +34,7 @@ from api.metrics import FrontEndMetrics
 from api.prompts.faithful import FaithfulPrompts, Prompt, faithful_prompts
 from api.routing import OPEN_PATHS, CapturePrefixRouter, RequireKey, SinkSlot
 from api.settings import ServerSettings, settings_from_environment
-from api.traits import with_traits
+from api.traits import request_traits, with_traits
 from api.upstream import UpstreamClient
 from capture.context import (
     begin_call,
@@ -96,6 +98,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     try:
         body = await _json_body(request)
         chat_request = dialect.to_chat(body)
+        traits = request_traits(body, chat_request)
         prompt = await _faithful_prompt(state, chat_request)
     except (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         metrics.record_call(dialect.name, "bad_request")
@@ -104,7 +107,8 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
-        generation = with_traits(await _generate(state, chat_request, prompt), body, chat_request)
+        with _watched(state, traits):
+            generation = with_traits(await _generate(state, chat_request, prompt), traits)
     except Exception as exc:
         if intent is not None:
             await intent
@@ -136,6 +140,14 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
         await _unreceived(metrics, "the client disconnected before the reply was sent")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(reply, headers=headers)
+
+
+def _watched(state: Any, traits: dict[str, Any]) -> Any:
+    """The call's conversation held as in flight for its rollout (``api.collisions``)."""
+    call = current_call()
+    if call is None:
+        return contextlib.nullcontext()
+    return state.collisions.call(call.rollout_id, traits)
 
 
 async def _faithful_prompt(state: Any, chat_request: dict[str, Any]) -> Prompt | None:
@@ -436,6 +448,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.sink_slot = slot
     app.state.metrics = FrontEndMetrics()
+    app.state.collisions = CollisionWatch(app.state.metrics.rollout_id_collisions)
     app.add_middleware(CapturePrefixRouter, slot=slot, capture_timeout_s=settings.capture_timeout_s)
     app.add_middleware(
         BodyLimit,

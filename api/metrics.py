@@ -103,6 +103,12 @@ class FrontEndMetrics:
             registry=self.registry,
         )
 
+        self.rollout_id_collisions = Counter(
+            "tokcap_rollout_id_collisions",
+            "Rollouts with two conversations of the same harness in flight at once (a "
+            "rollout id used by two harness runs?), each counted once per worker",
+            registry=self.registry,
+        )
         # Read off the sink's Redis at each scrape and readiness probe; across workers the
         # latest reading of each server is shown.
         self.redis_used_memory = Gauge(

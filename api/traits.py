@@ -2,9 +2,12 @@
 
 A rollout's calls can form several chains: the agent loop, a title call, a sub-agent (its
 own system prompt and tools), a compaction summary and the loop that resumes from it. The
-builder labels each delivered segment from these traits (``capture.build.segments``): they
-are read off the request here, where the request is whole, because the entry keeps only
-ids. The summary and continuation patterns are the Claude Code CLI's (2.1.x) wording.
+builder labels each delivered segment from these traits (``capture.build.segments``) and
+checks where each root's conversation began and what leads to it (``capture.build.roots``:
+the assistant turns the request carried, the digest of the last one, and for a
+conversation's first call the line digests of its opening message). They are read off the
+request here, where the request is whole, because the entry keeps only ids. The summary
+and continuation patterns are the Claude Code CLI's (2.1.x) wording.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.generation import Generation, with_changes
+from capture.build.final_answer import reply_digest
 from capture.build.projection import content_text
+from capture.build.roots import ANSWERED_BEFORE, OPENING, TURNS_BEFORE, opening_digests
 from capture.build.segments import TRAITS_FIELD
 
 # The CLI's compaction request ("Your task is to create a detailed summary of the
@@ -80,6 +85,21 @@ def _structured(body: Mapping[str, Any]) -> bool:
     )
 
 
+def _history(messages: list[Mapping[str, Any]], first_user: str) -> dict[str, Any]:
+    """Where the request stands in its conversation: the assistant turns it carries (a
+    trailing assistant message is a prefill, not a turn), the digest of the last one, and
+    for a conversation's first call the line digests of its opening user message."""
+    history = messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+    answers = [m for m in history if m.get("role") == "assistant"]
+    found: dict[str, Any] = {
+        TURNS_BEFORE: len(answers),
+        ANSWERED_BEFORE: reply_digest(answers[-1]) if answers else None,
+    }
+    if not answers:
+        found[OPENING] = opening_digests(first_user)
+    return found
+
+
 def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> dict[str, Any]:
     """The traits of one request, as the entry's ``request_traits`` field."""
     messages = [m for m in chat_request.get("messages") or [] if isinstance(m, Mapping)]
@@ -94,18 +114,18 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
     system, subagent = _system_parts(systems[0] if systems else "")
     return {
         "system": _digest(system),
+        "first_user": _digest(first_users[0] if first_users else ""),
         "subagent": subagent,
         "tools": _digest("\n".join(tools)),
         "n_tools": len(tools),
         "structured_output": _structured(body),
         "summary_request": bool(last_user) and _asks_for_summary(last_user[0]),
         "continuation": any(CONTINUATION in text.lower() for text in first_users),
+        **_history(messages, first_users[0] if first_users else ""),
     }
 
 
-def with_traits(
-    generation: Generation, body: Mapping[str, Any], chat_request: Mapping[str, Any]
-) -> Generation:
+def with_traits(generation: Generation, traits: Mapping[str, Any]) -> Generation:
     """The generation with its request's traits among the fields its entry records."""
-    fields = {**generation.entry_fields, TRAITS_FIELD: request_traits(body, chat_request)}
+    fields = {**generation.entry_fields, TRAITS_FIELD: dict(traits)}
     return with_changes(generation, entry_fields=fields)

@@ -36,6 +36,10 @@ class RolloutSummary:
     faithful_fallbacks: dict[str, int] = field(default_factory=dict)
     # delivery: segments: the segments delivered beside the main chain, by role.
     segments: dict[str, int] = field(default_factory=dict)
+    # Roots nothing in the capture relates to the main chain's (never delivered as segments),
+    # and roots whose conversation began before their first captured call (calls lost).
+    unexplained_roots: int = 0
+    missing_start_roots: int = 0
     capture_incomplete: bool | None = None  # None: no snapshot was read
     mask_reasons: list[str] = field(default_factory=list)  # empty: delivered unmasked
     error: str | None = None  # a failed build's error
@@ -63,6 +67,8 @@ class RolloutSummary:
             unresolved_retries=len(build.unresolved_retries),
             faithful_fallbacks=dict(build.faithful_fallbacks),
             segments=dict(sorted(Counter(segment.role for segment in build.segments).items())),
+            unexplained_roots=len(build.unexplained_roots),
+            missing_start_roots=len(build.missing_start),
             capture_incomplete=capture_incomplete,
             mask_reasons=list(mask_reasons),
         )

@@ -34,6 +34,7 @@ from typing import Any
 
 from capture.build.final_answer import answer_signature
 from capture.build.projection import flat_ids_and_mask, project_chain
+from capture.build.roots import RootCheck, check_roots
 from capture.build.segments import Segment, role_of, segments_of
 from capture.codec.views import IdView, shares_prefix
 from capture.errors import ConflictingEntryError
@@ -90,6 +91,10 @@ class BuildResult:
     identical_retries: tuple[str, ...] = ()
     main_role: str = ""  # the main chain's role, as segments are labelled ("other" usually)
     segments: tuple[Segment, ...] = field(default=(), repr=False)  # delivery="segments"
+    # Roots nothing relates to the main chain's conversation (capture.build.roots): never
+    # delivered as segments; and roots that began mid-conversation (calls before them lost).
+    unexplained_roots: tuple[str, ...] = ()
+    missing_start: tuple[str, ...] = ()
 
     @property
     def masked(self) -> bool:
@@ -402,7 +407,9 @@ def run_builder(
     main_path = _path_to(graph, main_leaf)
     main_entries = tuple(calls[position] for position in main_path)
     chains = _chains(graph, leaves, roots, main_leaf)
-    segments = _segments(graph, chains, main_path) if delivery == "segments" else []
+    checked = check_roots(calls, roots, graph.root_of, main_path[0]) if main_path else RootCheck()
+    left_out = {ids[root] for root in checked.unexplained + checked.missing_start}
+    segments = _segments(graph, chains, main_path, left_out) if delivery == "segments" else []
     delivered = graph.generated[main_leaf] if main_leaf is not None else 0
     return BuildResult(
         rollout_id=rollout_id,
@@ -422,14 +429,41 @@ def run_builder(
         unresolved_retries=tuple(sorted(unresolved)),
         generated_tokens_captured=sum(len(e.generation_token_ids) for e in entries),
         generated_tokens_delivered=delivered + sum(s.generated_tokens for s in segments),
-        mask_reasons=tuple(_mask_reasons(graph, len(entries), unmatched, unresolved, main_path)),
+        mask_reasons=tuple(
+            _mask_reasons(graph, len(entries), unmatched, unresolved, main_path)
+            + _root_reasons(ids, checked, main_path, delivery)
+        ),
         output=tuple(project_chain(main_entries)),
         main_entries=main_entries,
         faithful_fallbacks=_fallbacks(entries),
         identical_retries=identical,
         main_role=role_of(main_entries[0], main_entries[-1], None) if main_entries else "",
         segments=tuple(segments),
+        unexplained_roots=tuple(sorted(ids[root] for root in checked.unexplained)),
+        missing_start=tuple(sorted(ids[root] for root in checked.missing_start)),
     )
+
+
+def _root_reasons(
+    ids: list[str], checked: RootCheck, main_path: list[int], delivery: str
+) -> list[str]:
+    """Why the roots mask the rollout: the delivered chain, or with segments any delivered
+    conversation, began mid-conversation; or a second harness run shares the rollout id."""
+    reasons = []
+    for root in checked.missing_start:
+        if root == main_path[0] or delivery == "segments":
+            reasons.append(
+                f"calls missing: the request of call {ids[root]} continues a conversation whose "
+                "last reply no earlier captured call sampled (the rollout's capture lost calls: "
+                "a Redis that evicted it, or keys deleted while the harness ran)"
+            )
+    if delivery == "segments" and checked.second_runs:
+        reasons.append(
+            f"two harness runs share this rollout id: call {ids[checked.second_runs[0]]} "
+            "begins another conversation with the main chain's system prompt and tools, "
+            "and nothing the rollout sampled leads to it (a rollout id used twice?)"
+        )
+    return reasons
 
 
 def _survivors(graph: _Graph, discarded: set[int]) -> tuple[list[int], list[int], list[int]]:
@@ -482,15 +516,18 @@ def _fold_identical(calls: list[TokenEntry]) -> tuple[list[TokenEntry], tuple[st
     return kept, tuple(sorted(folded))
 
 
-def _segments(graph: _Graph, chains: tuple[ChainInfo, ...], main_path: list[int]) -> list:
-    """The chains beside the main one, as segments (none when nothing is delivered)."""
+def _segments(
+    graph: _Graph, chains: tuple[ChainInfo, ...], main_path: list[int], left_out: set[str]
+) -> list:
+    """The chains beside the main one, as segments (none when nothing is delivered), but for
+    those whose root is left out (``capture.build.roots``)."""
     if not main_path:
         return []
     position_of = {call_id: position for position, call_id in enumerate(graph.ids)}
     paths = [
         _path_to(graph, position_of[chain.leaf])
         for chain in chains
-        if not chain.main and not chain.quarantined
+        if not chain.main and not chain.quarantined and chain.root not in left_out
     ]
     return segments_of(graph.calls, paths, main_path)
 

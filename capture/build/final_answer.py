@@ -4,11 +4,14 @@ The main chain is the one whose last call produced what the harness finally retu
 harness may re-serialize that answer (whitespace, JSON key order), so both sides are reduced
 to the same signature: the normalized text of the last assistant message, or the name and
 canonical arguments of the last tool call, whichever comes last. Reasoning and tool results
-do not count; they are not the answer.
+do not count; they are not the answer. A whole reply (every text and tool call, in order)
+reduces the same way to ``reply_digest``: a later request carries each earlier reply in its
+history, and the digest names the call that sampled it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -71,3 +74,20 @@ def answer_signature(answer: Any) -> Signature | None:
             if signature is not None:
                 return signature
     return None
+
+
+def reply_signature(reply: Any) -> tuple[Signature, ...]:
+    """Every answer item of one reply, in order: a Chat message, or a call's output items."""
+    if is_chat_message(reply):
+        reply = chat_message_to_items(reply)
+    if not isinstance(reply, (list, tuple)):
+        return ()
+    return tuple(s for s in map(item_signature, reply) if s is not None)
+
+
+def reply_digest(reply: Any) -> str | None:
+    """A short digest of ``reply_signature``; None for a reply with no text or tool call."""
+    signature = reply_signature(reply)
+    if not signature:
+        return None
+    return hashlib.blake2b(json.dumps(signature).encode(), digest_size=8).hexdigest()

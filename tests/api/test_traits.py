@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 from api.dialects import anthropic
 from api.traits import request_traits
+from capture.build.final_answer import reply_digest
+from capture.filestore.store import TokenCaptureStore
+from tests.support import dialect_loops
+from tests.support.frontend import both_servers, run
 
 TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}}]
 
@@ -108,3 +115,33 @@ def test_the_clis_billing_line_is_not_the_system_prompt_and_names_a_sub_agent() 
         }
     )
     assert sub["subagent"] and sub["system"] != main["system"]
+
+
+def test_each_call_names_the_reply_before_it_in_every_dialect(tmp_path: Path) -> None:
+    """Through the front end, streamed and not: each call's ``answered_before`` is the
+    digest of the reply the call before it served (the harness re-sends it as history),
+    computed the same way from the request's message as from the stored output items."""
+    store_dir = tmp_path / "captures"
+    script = dialect_loops.write_script(tmp_path / "script.yaml")
+    loops = dialect_loops.loops_for("traits", 6, first_turns=3)
+    with both_servers(store_dir, engine={"script_path": script}) as servers:
+        harness = dialect_loops.Harness([servers.front])
+        done = asyncio.run(dialect_loops.run_loops(harness, loops))
+    for loop in done:
+        assert loop.error is None, loop.error
+        calls = sorted(run(_peek(store_dir, loop.rollout_id)), key=lambda e: e.created_at)
+        assert len(calls) == loop.turns
+        found = [call.model_extra["request_traits"] for call in calls]
+        assert found[0]["turns_before"] == 0 and found[0]["answered_before"] is None
+        assert "opening" in found[0], "a conversation start records its opening lines"
+        for turn in range(1, len(calls)):
+            assert found[turn]["turns_before"] == turn and "opening" not in found[turn]
+            assert found[turn]["answered_before"] == reply_digest(calls[turn - 1].output_items)
+
+
+async def _peek(store_dir: Path, rollout_id: str) -> list:
+    store = TokenCaptureStore(store_dir)
+    try:
+        return await store.peek(rollout_id)
+    finally:
+        await store.close()

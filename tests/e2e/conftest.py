@@ -1,4 +1,5 @@
-"""Fixtures of the Claude Code end-to-end modules: the CLI, the namespace, Redis, a worker.
+"""Fixtures of the end-to-end modules: the CLI, the namespace, Redis, a worker, and the
+scripted engine with its ground truth that the fault tests judge by.
 
 Redis and the worker are module-scoped, so every module gets a private redis-server and
 the worker on it is that module's only consumer of the jobs stream: a module that needs
@@ -18,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.claude_code import ClaudeCliUnavailable, ensure_claude_cli, netns_problem
+from tests.support.fault_loops import Engine, write_script
 from tests.support.fixtures_redis import RedisServer
+from tests.support.frontend import engine_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,3 +95,12 @@ def worker(redis_socket: str, worker_delivery: str) -> Iterator[subprocess.Popen
                 except subprocess.TimeoutExpired:
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.wait()
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    """The fault tests' engine: the scripted tool-loop policy, logging its ground truth."""
+    script = write_script(tmp_path / "script.yaml")
+    truth = tmp_path / "ground_truth.jsonl"
+    with engine_server(script_path=script, ground_truth_path=str(truth)) as url:
+        yield Engine(url, truth)

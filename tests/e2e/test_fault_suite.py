@@ -15,8 +15,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from capture.filestore.store import TokenCaptureStore
 from engine.tokenizer import load_tokenizer
 from tests.support.corrupting_proxy import MODES, corrupting_proxy
 from tests.support.fault_loops import (
-    GroundTruth,
+    Engine,
     Outcome,
     Rollout,
     Tally,
@@ -37,9 +36,8 @@ from tests.support.fault_loops import (
     judge,
     rebuild,
     run_loops,
-    write_script,
 )
-from tests.support.frontend import engine_server, front_end
+from tests.support.frontend import front_end
 from transports.redis import RedisTokenStore
 
 pytestmark = pytest.mark.slow
@@ -49,28 +47,17 @@ CAPTURE_TIMEOUT_S = 2.0
 REDIS_TIMEOUTS = {"socket_timeout_s": 1.0, "connect_timeout_s": 0.5, "max_retries": 1}
 
 
-@dataclass
-class Engine:
-    url: str
-    truth_path: Path
-
-    def truth(self) -> GroundTruth:
-        return GroundTruth(self.truth_path)
-
-
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[Engine]:
-    script = write_script(tmp_path / "script.yaml")
-    truth = tmp_path / "ground_truth.jsonl"
-    with engine_server(script_path=script, ground_truth_path=str(truth)) as url:
-        yield Engine(url, truth)
-
-
-def redis_settings(upstream: str, url: str, prefix: str, **server: Any) -> ServerSettings:
+def redis_settings(
+    upstream: str, url: str, prefix: str, cluster: bool = False, **server: Any
+) -> ServerSettings:
+    store = {
+        "url": url,
+        "key_prefix": prefix,
+        **REDIS_TIMEOUTS,
+        **({"cluster": True} if cluster else {}),
+    }
     capture = TokenIdCaptureConfig(
-        enabled=True,
-        sink="transports.redis:RedisTokenSink",
-        sink_kwargs={"url": url, "key_prefix": prefix, **REDIS_TIMEOUTS},
+        enabled=True, sink="transports.redis:RedisTokenSink", sink_kwargs=store
     )
     server = {"capture_timeout_s": CAPTURE_TIMEOUT_S, **server}
     return ServerSettings(upstream=upstream, capture=capture, **server)
@@ -100,8 +87,10 @@ async def after(delay: float, *steps: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def redis_source(url: str, prefix: str) -> AsyncIterator[RedisTokenStore]:
-    store = RedisTokenStore(url=url, key_prefix=prefix)
+async def redis_source(
+    url: str, prefix: str, cluster: bool = False
+) -> AsyncIterator[RedisTokenStore]:
+    store = RedisTokenStore(url=url, key_prefix=prefix, cluster=cluster)
     try:
         yield store
     finally:
@@ -117,18 +106,25 @@ async def redis_run(
     *fault_tasks: Any,
     upstream: str | None = None,
     server_settings: dict[str, Any] | None = None,
+    cluster: bool = False,
+    before_rebuild: Callable[[], Awaitable[None]] | None = None,
     **options: Any,
 ) -> Outcome:
-    """Loops through a front end on ``server``'s Redis, with faults alongside; the outcome."""
+    """Loops through a front end on ``server``'s Redis (a cluster's, with ``cluster``), with
+    faults alongside; then ``before_rebuild`` (the operator's fix), the rebuild, the outcome."""
     tally = Tally()
-    settings = redis_settings(upstream or engine.url, server.url, prefix, **(server_settings or {}))
+    settings = redis_settings(
+        upstream or engine.url, server.url, prefix, cluster, **(server_settings or {})
+    )
     with front_end(settings) as front:
         async with harness_client(tally) as http:
             gathered = await asyncio.gather(
                 run_loops(front, rollouts, http, **options), *fault_tasks
             )
         await background_notes_done()
-    async with redis_source(server.url, prefix) as source:
+    if before_rebuild is not None:
+        await before_rebuild()
+    async with redis_source(server.url, prefix, cluster) as source:
         records = await rebuild(source, gathered[0])
     return judge(fault, gathered[0], records, engine.truth(), tally)
 

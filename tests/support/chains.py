@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from capture.build.final_answer import reply_digest
+from capture.build.roots import opening_digests
 from capture.records import TokenEntry
 
 SYSTEM = [11, 12, 13, 14]
@@ -82,3 +84,42 @@ def chain_entries(
 
 def full(e: TokenEntry) -> list[int]:
     return e.prompt_token_ids + e.generation_token_ids
+
+
+# The request traits of the main loop (api.traits), for the root checks.
+MAIN = {"system": "s-main", "tools": "t-main", "n_tools": 2}
+
+
+def stamp(
+    call: TokenEntry,
+    before: TokenEntry | None = None,
+    *,
+    turns: int | None = None,
+    opening: str = "",
+    **changes: Any,
+) -> TokenEntry:
+    """Give ``call`` the traits of a request whose last assistant turn ``before`` sampled
+    (None: a conversation start, opening with ``opening``)."""
+    found: dict[str, Any] = {
+        **MAIN,
+        "subagent": False,
+        "structured_output": False,
+        "summary_request": False,
+        "continuation": False,
+        "turns_before": turns if turns is not None else (0 if before is None else 1),
+        "answered_before": reply_digest(before.output_items) if before is not None else None,
+        **changes,
+    }
+    if before is None:
+        found["opening"] = opening_digests(opening)
+    call.__pydantic_extra__["request_traits"] = found
+    return call
+
+
+def loop(turns: int, prefix: str = "loop", opening: str = "Task: list the files", **kw: Any):
+    """An agent loop whose calls each carry the reply of the one before."""
+    calls = chain_entries(turns, prefix=prefix, **kw)
+    stamp(calls[0], opening=opening)
+    for turn in range(1, turns):
+        stamp(calls[turn], calls[turn - 1], turns=turn)
+    return calls

@@ -66,6 +66,10 @@ class Rollout:
     turns: int
     answered: list[Any] = field(default_factory=list)  # anthropic Message objects, in order
     error: str | None = None
+    task: str = ""  # the first user message; by default it names the rollout
+
+    def __post_init__(self) -> None:
+        self.task = self.task or f"Rollout {self.rollout_id}: list the directories one by one."
 
 
 @dataclass
@@ -98,29 +102,36 @@ async def tool_loop(
     *,
     max_retries: int = 3,
     before_turn: BeforeTurn | None = None,
+    tool_output_chars: int = 0,
+    stream: bool = True,
 ) -> Rollout:
-    """Run one rollout's loop to its end, or to the first error the SDK gives up on."""
+    """Run one rollout's loop to its end, or to the first error the SDK gives up on; each
+    tool result is padded to about ``tool_output_chars`` characters, when given. Calls are
+    streamed, as Claude Code's are, unless ``stream`` is False."""
     client = anthropic.AsyncAnthropic(
         base_url=capture_base_url(front, rollout.rollout_id),
         api_key="fault-suite",
         max_retries=max_retries,
         http_client=http,
     )
-    task = f"Rollout {rollout.rollout_id}: list the directories one by one."
-    messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": rollout.task}]
     try:
         for turn in range(rollout.turns):
             if before_turn is not None:
                 await before_turn(rollout, turn)
             last = turn == rollout.turns - 1
-            async with client.messages.stream(
-                model="m",
-                max_tokens=256,
-                messages=messages,
-                tools=[TOOL],
-                tool_choice={"type": "none"} if last else {"type": "auto"},
-            ) as stream:
-                reply = await stream.get_final_message()
+            call = {
+                "model": "m",
+                "max_tokens": 256,
+                "messages": messages,
+                "tools": [TOOL],
+                "tool_choice": {"type": "none"} if last else {"type": "auto"},
+            }
+            if stream:
+                async with client.messages.stream(**call) as events:
+                    reply = await events.get_final_message()
+            else:
+                reply = await client.messages.create(**call)
             rollout.answered.append(reply)
             messages.append(
                 {
@@ -132,13 +143,24 @@ async def tool_loop(
             if not uses:
                 break
             results = [
-                {"type": "tool_result", "tool_use_id": u.id, "content": f"{u.input} holds a.txt"}
+                {
+                    "type": "tool_result",
+                    "tool_use_id": u.id,
+                    "content": _listing(u.input, tool_output_chars),
+                }
                 for u in uses
             ]
             messages.append({"role": "user", "content": results})
     except Exception as exc:  # the harness gave up: its record ends at its last reply
         rollout.error = f"{type(exc).__name__}: {exc}"
     return rollout
+
+
+def _listing(arguments: Any, chars: int) -> str:
+    """A tool's output: what it listed, padded with file names to about ``chars``."""
+    head = f"{arguments} holds a.txt"
+    names = "".join(f"\nfile-{n}.txt" for n in range(max(0, chars - len(head)) // 14))
+    return head + names
 
 
 async def run_loops(
@@ -174,6 +196,17 @@ def final_record(rollout: Rollout) -> dict[str, Any]:
                     }
                 )
     return {"_ng_rollout_id": rollout.rollout_id, "response": {"output": output}}
+
+
+@dataclass
+class Engine:
+    """The scripted engine of a fault test: its URL and its ground-truth log."""
+
+    url: str
+    truth_path: Path
+
+    def truth(self) -> GroundTruth:
+        return GroundTruth(self.truth_path)
 
 
 class GroundTruth:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from tests.support.chains import loop
 from tests.support.rollouts import growing_rollout
 from transports.cli.inspect import UNKNOWN_ROLE, chain_role, inspect_rollout, main, render
 
@@ -116,3 +117,15 @@ def test_a_chains_role_is_read_wherever_the_builder_puts_it() -> None:
     segment = SimpleNamespace(role="subagent", calls=(SimpleNamespace(model_call_id="c-1"), leaf))
     assert chain_role(chain, SimpleNamespace(segments=(segment,))) == "subagent"
     assert chain_role(chain, SimpleNamespace(segments=(), main_role="")) == UNKNOWN_ROLE
+
+
+async def test_a_rollout_that_lost_its_first_calls_says_so(store, request):
+    """What an evicted and recreated Redis hash leaves: the later calls of a conversation."""
+    calls = loop(4, rollout_id="cut-1")
+    for call in calls[2:]:
+        await store.put(call)
+    info = await inspect_rollout("cut-1", **located(store, request))
+    notes = {row["call"]: row["notes"] for row in info["entries"]}
+    assert any("earlier calls are missing" in note for note in notes[calls[2].model_call_id])
+    assert notes[calls[3].model_call_id] == []
+    assert "earlier calls are missing" in rendered(info)

@@ -184,6 +184,10 @@ def _call_notes(call_id: str, build: BuildResult) -> list[str]:
         "ambiguous parent: several identical calls precede it": build.quarantined,
         "retry whose sibling was extended: discarded": build.discarded_retries,
         "retry, and none of its group was extended": unresolved,
+        "continues a conversation whose earlier calls are missing (a Redis that evicted "
+        "the rollout, or keys deleted while it ran?)": getattr(build, "missing_start", ()),
+        "nothing captured leads to this conversation: not delivered as a segment (a second "
+        "harness run under this rollout id?)": getattr(build, "unexplained_roots", ()),
     }
     return [note for note, calls in notes.items() if call_id in calls]
 

@@ -24,7 +24,7 @@ from transports.redis.checks import server_name
 from transports.redis.cluster import TOPOLOGY_ERRORS, ClusterConnections
 from transports.redis.connections import ProvingConnections, prove_server
 from transports.redis.durability import Durability
-from transports.redis.eviction import Memory, read_memory
+from transports.redis.eviction import EvictingRedisError, Memory, read_memory
 from transports.redis.watch import execute_raw
 
 T = TypeVar("T")
@@ -174,8 +174,10 @@ class RedisReach:
             except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS) as exc:
                 last = exc
             except ConfigError as exc:
-                if not (self.cluster and self.durability is not None):
-                    raise
+                if not (self.cluster and self.durability is not None) or isinstance(
+                    exc, EvictingRedisError
+                ):
+                    raise  # a master that evicts is not promoted out of it: fail now
                 # A master promoted after start that cannot prove the guarantee yet (with
                 # replicas:N, until its lost peer is back as its replica): wait for it.
                 last = exc
