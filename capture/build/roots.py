@@ -111,11 +111,19 @@ class _Roots:
     def __init__(self, calls: Sequence[TokenEntry], root_of: Sequence[int]) -> None:
         self.calls = calls
         self.root_of = root_of
-        self.replies: dict[str, list[int]] = {}  # calls by the digest of their reply
-        for position, call in enumerate(calls):
-            digest = reply_digest(list(call.output_items or ()))
-            if digest is not None:
-                self.replies.setdefault(digest, []).append(position)
+        self._replies: dict[str, list[int]] | None = None
+
+    @property
+    def replies(self) -> dict[str, list[int]]:
+        """Calls by the digest of their reply; read only when a root needs it (a rollout of
+        one conversation start, the usual case, never does)."""
+        if self._replies is None:
+            self._replies = {}
+            for position, call in enumerate(self.calls):
+                digest = reply_digest(list(call.output_items or ()))
+                if digest is not None:
+                    self._replies.setdefault(digest, []).append(position)
+        return self._replies
 
     def traits(self, position: int) -> dict[str, Any]:
         return traits(self.calls[position])
@@ -131,8 +139,10 @@ class _Roots:
     def answered_by(self, root: int) -> list[int]:
         """The earlier calls that sampled the last reply ``root``'s request carried."""
         digest = self.traits(root).get(ANSWERED_BEFORE)
+        if not digest:
+            return []
         at = self.calls[root].created_at
-        return [p for p in self.replies.get(digest or "", ()) if self.calls[p].created_at <= at]
+        return [p for p in self.replies.get(digest, ()) if self.calls[p].created_at <= at]
 
     def begins_mid_conversation(self, root: int) -> bool:
         return bool(self.traits(root).get(TURNS_BEFORE)) and not self.answered_by(root)
