@@ -50,6 +50,8 @@ from capture.registry import installed_token_sink
 CLIENT_CLOSED_REQUEST = 499
 # How long /ready waits for the sink and for the upstream; a probe must answer quickly.
 READY_TIMEOUT_S = 2.0
+# How long a /metrics scrape waits for the Redis memory reading before it answers without.
+SCRAPE_MEMORY_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,8 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     return JSONBytesResponse(reply, headers=headers)
 
 
-def _watched(state: Any, traits: dict[str, Any]) -> Any:
-    """The call's conversation held as in flight for its rollout (``api.collisions``)."""
+def _watched(state: Any, traits: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """The call's history held as in flight for its rollout (``api.collisions``)."""
     call = current_call()
     if call is None:
         return contextlib.nullcontext()
@@ -284,7 +286,9 @@ async def _sink_problem(sink: TokenSink | None) -> str | None:
     return None
 
 
-async def _sink_memory(sink: TokenSink | None, metrics: FrontEndMetrics) -> list[dict[str, Any]]:
+async def _sink_memory(
+    sink: TokenSink | None, metrics: FrontEndMetrics, timeout_s: float = READY_TIMEOUT_S
+) -> list[dict[str, Any]]:
     """Memory used against ``maxmemory`` on each server of a Redis sink (none for others),
     also set on the metrics' gauges; a server that does not answer is ``/ready``'s PING
     problem, so it is left out here."""
@@ -292,7 +296,7 @@ async def _sink_memory(sink: TokenSink | None, metrics: FrontEndMetrics) -> list
     if not callable(memory):
         return []
     try:
-        async with asyncio.timeout(READY_TIMEOUT_S):
+        async with asyncio.timeout(timeout_s):
             readouts = await memory()
     except Exception:  # not ready is said by the PING; the headroom is only informative
         return []
@@ -337,7 +341,8 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = request.app.state
-    await _sink_memory(state.sink_slot.sink, state.metrics)  # the gauges, read now
+    # The gauges, read now; a Redis that does not answer at once leaves the last reading.
+    await _sink_memory(state.sink_slot.sink, state.metrics, SCRAPE_MEMORY_TIMEOUT_S)
     data, content_type = state.metrics.exposition()
     return Response(data, media_type=content_type)
 

@@ -2,8 +2,10 @@
 
 A rollout id names one harness run; a training loop that restarts its numbering hands the
 same id to a second run, and the two runs' calls land in one capture. The front end sees it
-first: two calls of one rollout in flight at once whose conversations share a system prompt
-and tools but open with different user messages. Sub-agents the harness marks as such (the
+first: one harness loop waits for each reply before its next call, so two calls of one
+rollout in flight at once with the same system prompt and tools but different histories
+(another first message, or the same task at another point) are two loops. A resend of the
+same request is not: its history is the same. Sub-agents the harness marks as such (the
 Claude Code CLI's billing line) and side requests (a title: JSON, no tools) are left out, as
 they legitimately run beside the loop. Each rollout is counted once
 (``tokcap_rollout_id_collisions_total``) and logged once, naming the id, so the operator
@@ -20,7 +22,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import Counter as Total
+import prometheus_client
+
+from capture.build.roots import ANSWERED_BEFORE, TURNS_BEFORE
+from capture.build.segments import is_side_request
 
 log = logging.getLogger("tokcap.frontend")
 
@@ -28,39 +33,51 @@ log = logging.getLogger("tokcap.frontend")
 REMEMBERED = 4096
 
 
-def conversation_of(traits: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """(system, tools, first user message) digests, or None for calls left out."""
-    side = traits.get("structured_output") and not traits.get("n_tools")
-    if traits.get("subagent") or side:
+# (system prompt, tools) of a harness loop, and where one call of it stands: its first user
+# message, the assistant turns it carries and the digest of the last one.
+Harness = tuple[str, str]
+History = tuple[str, int, str]
+
+
+def history_of(traits: Mapping[str, Any]) -> tuple[Harness, History] | None:
+    """The harness loop a call belongs to and its history (digests), from the request's
+    traits (``api.traits``); None for calls that legitimately run beside the loop."""
+    if traits.get("subagent") or is_side_request(traits):
         return None
-    return (str(traits.get("system")), str(traits.get("tools")), str(traits.get("first_user")))
+    harness = (str(traits.get("system")), str(traits.get("tools")))
+    history = (
+        str(traits.get("first_user")),
+        int(traits.get(TURNS_BEFORE) or 0),
+        str(traits.get(ANSWERED_BEFORE)),
+    )
+    return harness, history
 
 
 class CollisionWatch:
-    """The conversations of each rollout's calls in flight in this worker."""
+    """The histories of each rollout's calls in flight in this worker."""
 
-    def __init__(self, collisions: Total) -> None:
+    def __init__(self, collisions: prometheus_client.Counter) -> None:
         self._collisions = collisions
-        self._in_flight: dict[str, Counter[tuple[str, str, str]]] = {}
+        self._in_flight: dict[str, Counter[tuple[Harness, History]]] = {}
         self._reported: OrderedDict[str, None] = OrderedDict()
 
     @contextmanager
     def call(self, rollout_id: str, traits: Mapping[str, Any]) -> Iterator[None]:
-        """Hold the call's conversation as in flight while the block runs."""
-        conversation = conversation_of(traits)
-        if conversation is None:
+        """Hold the call's history as in flight while the block runs."""
+        found = history_of(traits)
+        if found is None:
             yield
             return
         flying = self._in_flight.setdefault(rollout_id, Counter())
-        if any(other[:2] == conversation[:2] and other[2] != conversation[2] for other in flying):
+        if any(other[0] == found[0] and other[1] != found[1] for other in flying):
             self._report(rollout_id)
-        flying[conversation] += 1
+        flying[found] += 1
         try:
             yield
         finally:
-            flying[conversation] -= 1
-            if flying[conversation] <= 0:
-                del flying[conversation]
+            flying[found] -= 1
+            if flying[found] <= 0:
+                del flying[found]
             if not flying:
                 del self._in_flight[rollout_id]
 
@@ -73,9 +90,8 @@ class CollisionWatch:
             self._reported.popitem(last=False)
         self._collisions.inc()
         log.warning(
-            "rollout %s: two conversations with the same system prompt and tools but "
-            "different first messages are in flight at once; two harness runs share this "
-            "rollout id? (a training loop that restarted its numbering). Segments delivery "
-            "masks such a rollout; give every run its own id",
+            "rollout %s: two calls with the same system prompt and tools but different "
+            "histories are in flight at once; two harness runs share this rollout id? (a "
+            "training loop that restarted its numbering). Give every run its own id",
             rollout_id,
         )

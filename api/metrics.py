@@ -129,9 +129,8 @@ class FrontEndMetrics:
     def record_memory(self, readouts: Iterable[Any]) -> None:
         """Set the memory gauges from ``transports.redis.eviction.Memory`` readouts."""
         for memory in readouts:
-            server = memory.where.removeprefix("redis at ")
-            self.redis_used_memory.labels(server=server).set(memory.used_bytes)
-            self.redis_max_memory.labels(server=server).set(memory.max_bytes)
+            self.redis_used_memory.labels(server=memory.server).set(memory.used_bytes)
+            self.redis_max_memory.labels(server=memory.server).set(memory.max_bytes)
 
     def record_prompt(self, continued: bool, fallback: str | None) -> None:
         self.faithful_prompts.labels(kind="continued" if continued else "root").inc()

@@ -68,7 +68,7 @@ class RolloutSummary:
             faithful_fallbacks=dict(build.faithful_fallbacks),
             segments=dict(sorted(Counter(segment.role for segment in build.segments).items())),
             unexplained_roots=len(build.unexplained_roots),
-            missing_start_roots=len(build.missing_start),
+            missing_start_roots=len(build.missing_start_roots),
             capture_incomplete=capture_incomplete,
             mask_reasons=list(mask_reasons),
         )

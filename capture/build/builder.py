@@ -94,7 +94,7 @@ class BuildResult:
     # Roots nothing relates to the main chain's conversation (capture.build.roots): never
     # delivered as segments; and roots that began mid-conversation (calls before them lost).
     unexplained_roots: tuple[str, ...] = ()
-    missing_start: tuple[str, ...] = ()
+    missing_start_roots: tuple[str, ...] = ()
 
     @property
     def masked(self) -> bool:
@@ -440,7 +440,7 @@ def run_builder(
         main_role=role_of(main_entries[0], main_entries[-1], None) if main_entries else "",
         segments=tuple(segments),
         unexplained_roots=tuple(sorted(ids[root] for root in checked.unexplained)),
-        missing_start=tuple(sorted(ids[root] for root in checked.missing_start)),
+        missing_start_roots=tuple(sorted(ids[root] for root in checked.missing_start)),
     )
 
 

@@ -3,10 +3,12 @@
 A harness re-sends its whole conversation with every call, so the first call of a
 conversation carries no assistant turn and every later call carries the reply of the one
 before (the front end records both on the entry: ``turns_before``, ``answered_before``).
-A root that carries an assistant turn that no earlier captured call sampled began in the
-middle of its conversation: the calls before it were lost (a Redis that evicted the
-rollout's hash, which the next put made anew, or a capture deleted while the harness ran).
-Its chain must never be delivered as if it were the whole conversation.
+A root that carries an assistant turn that no earlier call of the same harness sampled
+began in the middle of its conversation: the calls before it were lost (a Redis that
+evicted the rollout's hash, which the next put made anew, or a capture deleted while the
+harness ran). Its chain must never be delivered as if it were the whole conversation. The
+price: a first request seeded with assistant turns the policy never sampled (few-shot
+examples, a session resumed from another rollout) looks the same, and is masked too.
 
 Beside the main chain, a root is delivered (``delivery: segments``) only when the capture
 itself relates it to what is delivered: a side request of a known shape (a title: a JSON
@@ -14,10 +16,13 @@ answer with no tools); a conversation that continues from, or is continued by, a
 call's reply (a resumed loop, compaction with a kept round); a conversation whose opening
 message carries text a delivered call sampled (a sub-agent's prompt, given as a tool
 call's argument), or whose sampled text a delivered conversation opens with (a compaction
-summary). Text is compared by line digests, markup tags and whitespace aside, so a harness
-that re-wraps the text still matches. A root nothing explains is not delivered; one that
-opens another conversation with the main chain's system prompt and tools is most likely a
-second harness run under the same rollout id, and masks the rollout.
+summary). Text is compared by line digests, markup tags and whitespace aside, each tagged
+section of a reply on its own (a harness that keeps a ``<summary>`` and drops the
+``<analysis>`` before it still matches). A conversation that opens like the main run (its
+system prompt and tools, no sub-agent mark) is related only by a reply or a compaction
+summary, never by a line some call happened to repeat: one that nothing relates so is
+most likely a second harness run under the same rollout id, and masks the rollout. Other
+roots nothing relates are left out.
 
 Entries without these traits (another front end, older captures) are taken as explained:
 what cannot be told is not held against them.
@@ -34,12 +39,14 @@ from typing import Any
 
 from capture.build.final_answer import reply_digest
 from capture.build.projection import content_text
-from capture.build.segments import traits
+from capture.build.segments import is_side_request, traits
 from capture.records import TokenEntry
 
 TURNS_BEFORE = "turns_before"  # assistant turns the request carried
 ANSWERED_BEFORE = "answered_before"  # reply_digest of the last of them, or None
 OPENING = "opening"  # line digests of the first user message (conversation starts only)
+# Enough for an opening message with a long instruction file in it; the entry stays small
+# (256 x 12 hex digits), since only a conversation's first call records them.
 MAX_OPENING_LINES = 256
 # Lines shorter than this say too little to relate two conversations ("Done.", "dir-3").
 MIN_LINE_CHARS = 16
@@ -74,8 +81,8 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 def sampled_pieces(entry: TokenEntry) -> list[list[str]]:
-    """What a call sampled, piece by piece (its text, each string of its tool arguments),
-    as line digests; pieces with no line worth comparing are left out."""
+    """What a call sampled, piece by piece (each tagged section of its text, each string of
+    its tool arguments), as line digests; pieces with no line worth comparing are left out."""
     texts = []
     for item in entry.output_items or ():
         if not isinstance(item, Mapping):
@@ -87,7 +94,8 @@ def sampled_pieces(entry: TokenEntry) -> list[list[str]]:
                 texts.extend(_strings(json.loads(item.get("arguments") or "null")))
             except (TypeError, ValueError):
                 texts.append(str(item.get("arguments") or ""))
-    return [digests for digests in map(line_digests, texts) if digests]
+    sections = [section for text in texts for section in _TAG.split(text)]
+    return [digests for digests in map(line_digests, sections) if digests]
 
 
 def carries(opening: Sequence[str], piece: Sequence[str]) -> bool:
@@ -105,6 +113,12 @@ class RootCheck:
     second_runs: list[int] = field(default_factory=list)  # unexplained, like the main run
 
 
+# How much later than a root the call it continues may have been stamped: the clocks of two
+# front-end nodes may disagree by that much.
+CLOCK_SKEW_S = 1.0
+_HARNESS = ("system", "tools", "subagent")
+
+
 class _Roots:
     """The roots of one build and the links between their conversations (module doc)."""
 
@@ -115,8 +129,7 @@ class _Roots:
 
     @property
     def replies(self) -> dict[str, list[int]]:
-        """Calls by the digest of their reply; read only when a root needs it (a rollout of
-        one conversation start, the usual case, never does)."""
+        """Calls by the digest of their reply; read only when a root carries a turn."""
         if self._replies is None:
             self._replies = {}
             for position, call in enumerate(self.calls):
@@ -131,51 +144,66 @@ class _Roots:
     def known(self, root: int) -> bool:
         return TURNS_BEFORE in self.traits(root)
 
-    def side_request(self, root: int) -> bool:
-        """A request of a shape harnesses send beside their loop: a title (JSON, no tools)."""
-        found = self.traits(root)
-        return bool(found.get("structured_output")) and not found.get("n_tools")
+    def same_harness(self, a: int, b: int) -> bool:
+        """Calls of one harness loop: the same system prompt, tools and sub-agent mark."""
+        mine, theirs = self.traits(a), self.traits(b)
+        return all(mine.get(key) == theirs.get(key) for key in _HARNESS)
 
     def answered_by(self, root: int) -> list[int]:
-        """The earlier calls that sampled the last reply ``root``'s request carried."""
+        """The calls of the same harness, in other trees and not later than ``root``, that
+        sampled the last reply ``root``'s request carried."""
         digest = self.traits(root).get(ANSWERED_BEFORE)
         if not digest:
             return []
-        at = self.calls[root].created_at
-        return [p for p in self.replies.get(digest, ()) if self.calls[p].created_at <= at]
+        at = self.calls[root].created_at + CLOCK_SKEW_S
+        return [
+            p
+            for p in self.replies.get(digest, ())
+            if self.root_of[p] != root
+            and self.calls[p].created_at <= at
+            and self.same_harness(p, root)
+        ]
 
     def begins_mid_conversation(self, root: int) -> bool:
         return bool(self.traits(root).get(TURNS_BEFORE)) and not self.answered_by(root)
 
-    def links(self, roots: Sequence[int]) -> dict[int, set[int]]:
-        """Roots whose conversations relate (either way), by an answered reply or by an
-        opening message that carries what a call sampled."""
-        linked: dict[int, set[int]] = {root: set() for root in roots}
+    def like_main_run(self, root: int, main_root: int) -> bool:
+        """A conversation start of the main chain's harness (not marked a sub-agent)."""
+        return (
+            not self.traits(root).get(TURNS_BEFORE)
+            and not self.traits(root).get("subagent")
+            and self.same_harness(root, main_root)
+        )
 
-        def link(a: int, b: int) -> None:
-            linked[a].add(b)
-            linked[b].add(a)
+    def links(self, roots: Sequence[int]) -> dict[int, dict[int, bool]]:
+        """Roots whose conversations relate (either way), each link marked strong when it
+        is a reply carried on or a compaction summary, weak when it is other text."""
+        linked: dict[int, dict[int, bool]] = {root: {} for root in roots}
 
-        openings = {r: self.traits(r).get(OPENING) for r in roots if self.traits(r).get(OPENING)}
+        def link(a: int, b: int, strong: bool) -> None:
+            if a != b:
+                linked[a][b] = linked[b][a] = strong or linked[a].get(b, False)
+
         for root in roots:
             for position in self.answered_by(root):
-                link(root, self.root_of[position])
+                link(root, self.root_of[position], True)
+        openings = {r: set(self.traits(r).get(OPENING) or ()) for r in roots}
+        openings = {r: opening for r, opening in openings.items() if opening}
+        summaries = [p for p in range(len(self.calls)) if self.traits(p).get("summary_request")]
+        for root in roots:  # a loop resumed from a summary, in the harness's own words
+            if self.traits(root).get("continuation"):
+                at = self.calls[root].created_at + CLOCK_SKEW_S
+                for p in summaries:
+                    if self.calls[p].created_at <= at:
+                        link(root, self.root_of[p], True)
         if openings:
             for position, call in enumerate(self.calls):
+                summary = bool(self.traits(position).get("summary_request"))
                 for piece in sampled_pieces(call):
                     for root, opening in openings.items():
                         if carries(opening, piece):
-                            link(root, self.root_of[position])
+                            link(root, self.root_of[position], summary)
         return linked
-
-    def like_main_run(self, root: int, main_root: int) -> bool:
-        """A conversation start with the main chain's system prompt and tools."""
-        mine, main = self.traits(root), self.traits(main_root)
-        return (
-            not mine.get(TURNS_BEFORE)
-            and not mine.get("subagent")
-            and (mine.get("system"), mine.get("tools")) == (main.get("system"), main.get("tools"))
-        )
 
 
 def check_roots(
@@ -185,17 +213,23 @@ def check_roots(
     found = _Roots(calls, root_of)
     check = RootCheck()
     check.missing_start = [r for r in roots if found.known(r) and found.begins_mid_conversation(r)]
-    others = [r for r in roots if r != main_root]
-    if not others:
+    # Titles and roots without traits are explained by what they are; only the rest need
+    # the links, which read every call's sampled text.
+    doubtful = [
+        r
+        for r in roots
+        if r != main_root and found.known(r) and not is_side_request(found.traits(r))
+    ]
+    if not doubtful:
         return check
     links = found.links(roots)
     reached, frontier = {main_root}, [main_root]
     while frontier:
-        for near in links[frontier.pop()] - reached:
+        for near, strong in links[frontier.pop()].items():
+            if near in reached or (not strong and found.like_main_run(near, main_root)):
+                continue
             reached.add(near)
             frontier.append(near)
-    check.unexplained = [
-        r for r in others if r not in reached and found.known(r) and not found.side_request(r)
-    ]
+    check.unexplained = [r for r in doubtful if r not in reached]
     check.second_runs = [r for r in check.unexplained if found.like_main_run(r, main_root)]
     return check

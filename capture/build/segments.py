@@ -16,7 +16,7 @@ main chain's), else ``other``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,12 @@ def traits(entry: TokenEntry) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+def is_side_request(found: Mapping[str, Any]) -> bool:
+    """A request of the shape harnesses send beside their loop: a title (a JSON-schema
+    answer with no tools), from its traits."""
+    return bool(found.get("structured_output")) and not found.get("n_tools")
+
+
 def role_of(first: TokenEntry, last: TokenEntry, main_root: TokenEntry | None) -> str:
     """What a chain is, from its root's and its last call's traits (see the module doc);
     ``main_root`` is the main chain's root (or the rollout's first), None for the main one."""
@@ -62,7 +68,7 @@ def role_of(first: TokenEntry, last: TokenEntry, main_root: TokenEntry | None) -
         return "compaction_summary"
     if root.get("continuation"):
         return "continuation"
-    if root.get("structured_output") and not root.get("n_tools"):
+    if is_side_request(root):
         return "title"
     if root.get("subagent"):  # the harness said so (the Claude Code CLI does)
         return "subagent"

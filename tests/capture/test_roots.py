@@ -27,9 +27,9 @@ def answer(call: TokenEntry) -> list[dict[str, Any]]:
 def test_a_rollout_that_lost_its_first_calls_is_masked(delivery: str) -> None:
     calls = loop(5)
     whole = run_builder(calls, final_answer=answer(calls[-1]), delivery=delivery)
-    assert not whole.masked and len(whole.main_chain) == 5 and whole.missing_start == ()
+    assert not whole.masked and len(whole.main_chain) == 5 and whole.missing_start_roots == ()
     cut = run_builder(calls[2:], final_answer=answer(calls[-1]), delivery=delivery)
-    assert cut.masked and cut.missing_start == (calls[2].model_call_id,)
+    assert cut.masked and cut.missing_start_roots == (calls[2].model_call_id,)
     assert any(reason.startswith("calls missing:") for reason in cut.mask_reasons)
 
 
@@ -38,7 +38,7 @@ def test_a_reply_sampled_after_the_root_does_not_stand_for_the_lost_one() -> Non
     calls = loop(4)
     calls[3].output_items[:] = calls[1].output_items  # the last call repeats turn 1's reply
     cut = run_builder(calls[2:], final_answer=answer(calls[3]))
-    assert cut.masked and cut.missing_start == (calls[2].model_call_id,)
+    assert cut.masked and cut.missing_start_roots == (calls[2].model_call_id,)
 
 
 def test_a_loop_resumed_after_a_kept_round_is_delivered_whole() -> None:
@@ -59,7 +59,7 @@ def test_a_loop_resumed_after_a_kept_round_is_delivered_whole() -> None:
         built = run_builder(calls, final_answer=answer(resumed[-1]), delivery=delivery)
         assert not built.masked, built.mask_reasons
         assert built.main_chain == tuple(c.model_call_id for c in resumed)
-        assert built.unexplained_roots == () and built.missing_start == ()
+        assert built.unexplained_roots == () and built.missing_start_roots == ()
     assert built.delivered_fraction == 1.0
 
 
@@ -180,3 +180,63 @@ def test_line_digests_ignore_markup_and_spacing_and_short_lines() -> None:
     )
     assert piece == [line_digests("a long enough prompt")]
     assert carries(opening_digests("intro line that is long\na long enough prompt"), piece[0])
+
+
+def test_a_lost_reply_sampled_again_by_a_sub_agent_does_not_stand_for_it() -> None:
+    """Only a call of the same harness loop can be the one a root continues: a parallel
+    sub-agent that happened to sample the same short tool call is no evidence."""
+    calls = loop(5)
+    ls = '{"command": "ls"}'
+    calls[2].output_items[:] = [
+        {"type": "function_call", "call_id": "a", "name": "Bash", "arguments": ls}
+    ]
+    stamp(calls[3], calls[2], turns=3)
+    sub = _subagent("Look around the repository and report.")
+    sub[0].output_items[:] = [
+        {"type": "function_call", "call_id": "b", "name": "Bash", "arguments": ls}
+    ]
+    for delivery in ("chain", "segments"):
+        cut = run_builder([*calls[3:], *sub], final_answer=answer(calls[-1]), delivery=delivery)
+        assert cut.masked and cut.missing_start_roots == (calls[3].model_call_id,)
+
+
+def test_a_second_run_quoting_the_task_is_still_a_second_run() -> None:
+    """The same task dispatched twice: a line of the task repeated in a sampled tool call is
+    no relation between two conversations of the main harness."""
+    task = "Fix the bug.\nThe failing test is tests/test_parser.py::test_empty\nReport back."
+    ours = loop(3, opening=task)
+    quoted = '{"command": "The failing test is tests/test_parser.py::test_empty"}'
+    ours[1].output_items[:] = [
+        {"type": "function_call", "call_id": "x", "name": "Bash", "arguments": quoted}
+    ]
+    stamp(ours[2], ours[1], turns=2)
+    theirs = loop(3, prefix="again", opening=task, created_at=0.5)
+    built = run_builder([*ours, *theirs], final_answer=answer(ours[-1]), delivery="segments")
+    assert built.masked and built.segments == ()
+    assert any("two harness runs" in reason for reason in built.mask_reasons)
+
+
+def test_a_summary_kept_without_its_analysis_still_explains_the_loop_before_it() -> None:
+    """The CLI keeps the ``<summary>`` of a compaction reply and drops its ``<analysis>``:
+    each tagged section is matched on its own."""
+    first = loop(2)
+    analysis = "\n".join(
+        f"Analysis point {i}: the user asked about item {i} at length." for i in range(6)
+    )
+    summary = "\n".join(f"Summary point {i}: listed the files of directory {i}." for i in range(4))
+    reply = f"<analysis>\n{analysis}\n</analysis>\n<summary>\n{summary}\n</summary>"
+    asked = stamp(
+        entry("summary", full(first[-1]) + fresh(2), fresh(3), text=reply, created_at=5),
+        first[-1],
+        turns=2,
+        summary_request=True,
+    )
+    resumed = chain_entries(2, prefix="resumed", created_at=10.0)
+    opening = "This session is being continued from a previous conversation.\nSummary:\n" + summary
+    stamp(resumed[0], opening=opening)  # no continuation trait: the text alone relates them
+    stamp(resumed[1], resumed[0])
+    built = run_builder(
+        [*first, asked, *resumed], final_answer=answer(resumed[-1]), delivery="segments"
+    )
+    assert not built.masked and built.unexplained_roots == (), built.mask_reasons
+    assert built.delivered_fraction == 1.0

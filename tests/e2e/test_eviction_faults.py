@@ -15,10 +15,12 @@ import asyncio
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from tests.e2e.test_fault_suite import assert_no_critical, new_rollouts, redis_run
 from tests.support.fault_loops import Engine, Outcome
+from transports.redis.keys import rollout_key
 
 pytestmark = pytest.mark.slow
 LOOPS = 40
@@ -124,15 +126,22 @@ async def test_noeviction_full_memory_fails_closed(
 async def test_allkeys_lru_on_one_cluster_master(engine: Engine, redis_cluster_factory):
     """The same mistake on one master of three: its rollouts are cut, none delivered short."""
     cluster = redis_cluster_factory()
+    squeezed = cluster.masters()[0]
     outcome, stats = await run_squeezed(
         engine,
         cluster,
         "evict",
         "allkeys-lru",
         headroom=256 * 1024,
-        node_url=cluster.masters()[0].url,
+        node_url=squeezed.url,
         cluster=True,
     )
     assert int(stats["evicted_keys"]) > 0
     assert_no_critical(outcome)
     assert outcome.masked > 0, "the rollouts of that master lost calls, and are masked"
+    with redis.RedisCluster.from_url(cluster.url) as client:
+        homes = {
+            rollout_id: client.get_node_from_key(rollout_key("evict", rollout_id)).port
+            for rollout_id in outcome.masked_rollouts
+        }
+    assert set(homes.values()) == {squeezed.port}, "only the squeezed master's are masked"

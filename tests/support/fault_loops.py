@@ -279,6 +279,7 @@ class Outcome:
     statuses: dict[int, int]
     mask_reasons: dict[str, int]
     errors: dict[str, int]  # the error replies the harnesses got, by status and message
+    masked_rollouts: list[str] = field(default_factory=list)
 
     def row(self) -> str:
         return (
@@ -321,6 +322,11 @@ def judge(
         statuses=dict(tally.statuses),
         mask_reasons=dict(_reasons(records)),
         errors=dict(tally.errors),
+        masked_rollouts=[
+            r.rollout_id
+            for r, record in zip(rollouts, records, strict=True)
+            if record.get("mask_sample")
+        ],
     )
     print(outcome.row())  # the closing note's table; shown with pytest -s
     return outcome

@@ -185,9 +185,9 @@ def _call_notes(call_id: str, build: BuildResult) -> list[str]:
         "retry whose sibling was extended: discarded": build.discarded_retries,
         "retry, and none of its group was extended": unresolved,
         "continues a conversation whose earlier calls are missing (a Redis that evicted "
-        "the rollout, or keys deleted while it ran?)": getattr(build, "missing_start", ()),
+        "the rollout, or keys deleted while it ran?)": build.missing_start_roots,
         "nothing captured leads to this conversation: not delivered as a segment (a second "
-        "harness run under this rollout id?)": getattr(build, "unexplained_roots", ()),
+        "harness run under this rollout id?)": build.unexplained_roots,
     }
     return [note for note, calls in notes.items() if call_id in calls]
 

@@ -12,6 +12,14 @@ from redis.asyncio.cluster import RedisCluster
 
 from capture.errors import ConfigError
 
+# How every message names one server: this, then its host:port or socket path.
+NAME_PREFIX = "redis at "
+
+
+def address_of(name: str) -> str:
+    """The host:port (or socket path) in a server's name: a metric label, say."""
+    return name.removeprefix(NAME_PREFIX)
+
 
 def server_name(client: aioredis.Redis | RedisCluster) -> str:
     """Where a client connects, for messages: host and port or socket, never credentials."""
@@ -21,8 +29,13 @@ def server_name(client: aioredis.Redis | RedisCluster) -> str:
         return f"redis cluster at {getattr(first, 'host', '?')}:{getattr(first, 'port', '?')}"
     kwargs = client.connection_pool.connection_kwargs
     if "path" in kwargs:
-        return f"redis at {kwargs['path']}"
-    return f"redis at {kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        return f"{NAME_PREFIX}{kwargs['path']}"
+    return f"{NAME_PREFIX}{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+def node_name(node: Any) -> str:
+    """A cluster node as connections name it in messages (``connection_name``)."""
+    return f"{NAME_PREFIX}{node.host}:{node.port}"
 
 
 def check_server(url: str | None, client: Any, cluster: bool) -> None:

@@ -32,17 +32,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from capture.errors import ConfigError
+from transports.redis.checks import node_name
 from transports.redis.connections import Prover
 from transports.redis.durability import Durability
 
 # Replies and failures after which the slot map may be stale: re-read it and try again.
 TOPOLOGY_ERRORS = (AskError, ClusterDownError, TryAgainError, RedisClusterException)
 _SPARE_CONNECTIONS = 4
-
-
-def node_name(node: ClusterNode) -> str:
-    """A node as connections name it in messages (``connection_name``): no credentials."""
-    return f"redis at {node.host}:{node.port}"
 
 
 class NodePool:

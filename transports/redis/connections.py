@@ -23,6 +23,7 @@ from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from transports.redis.checks import NAME_PREFIX
 from transports.redis.durability import Durability, Execute, check_durability
 from transports.redis.eviction import check_eviction
 
@@ -33,8 +34,8 @@ def connection_name(connection: AbstractConnection) -> str:
     """Where a connection goes, for messages: host and port or socket, never credentials."""
     path = getattr(connection, "path", None)
     if path:
-        return f"redis at {path}"
-    return f"redis at {getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
+        return f"{NAME_PREFIX}{path}"
+    return f"{NAME_PREFIX}{getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
 
 
 async def prove_server(
@@ -73,10 +74,6 @@ class Prover:
             return await connection.read_response(disable_decoding=True)
 
         try:
-            if self.chosen.mode == "none":  # the opt-out was logged once, at start-up
-                await check_eviction(execute, where)
-                self.durability = self.proven[where] = self.chosen
-                return
             proven = await prove_server(
                 execute, self.chosen, where=where, wait_timeout_ms=self.wait_timeout_ms
             )

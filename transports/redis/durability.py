@@ -9,7 +9,6 @@ that cannot prove the chosen guarantee is refused with the setting to change.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,8 +18,6 @@ from redis.exceptions import ResponseError
 
 from capture.errors import ConfigError, UnconfirmedWriteError
 from transports.redis.keys import as_text
-
-log = logging.getLogger("tokcap.redis")
 
 _REPLICAS = re.compile(r"^replicas:([1-9][0-9]*)$")
 _WAITAOF_SINCE = (7, 2)
@@ -99,13 +96,9 @@ async def _config(execute: Execute, name: str) -> str | None:
 async def check_durability(
     execute: Execute, chosen: Durability, *, where: str, wait_timeout_ms: int
 ) -> Durability:
-    """Prove the chosen guarantee against the server at ``where``, or refuse it."""
+    """Prove the chosen guarantee against the server at ``where``, or refuse it (``none``,
+    the explicit opt-out, proves nothing; the store logs it once, at start-up)."""
     if chosen.mode == "none":
-        log.warning(
-            "durability='none': writes to %s are not made durable before put returns; "
-            "a Redis crash can lose acknowledged entries",
-            where,
-        )
         return chosen
     if chosen.mode == "replicas":
         return await _prove_replicas(execute, chosen.replicas, where, wait_timeout_ms)

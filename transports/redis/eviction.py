@@ -11,7 +11,8 @@ re-run job publish a second result for a rollout the trainer already has. So onl
 ``noeviction`` is accepted: a full server then refuses writes, the calls' losses are recorded
 and their rollouts masked. The policy is read from ``INFO memory``, which managed services
 answer even where ``CONFIG`` is disabled, on every new connection, beside the durability
-proof, because an operator can change it while tokcap runs.
+proof, because an operator can change it while tokcap runs (the queues and results
+readers, whose clients are plain redis-py ones, check once, at first use).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from capture.errors import ConfigError
-from transports.redis.checks import server_name
+from transports.redis.checks import address_of, node_name, server_name
 from transports.redis.durability import Execute, info_fields
 
 ACCEPTED_POLICY = "noeviction"
@@ -45,6 +46,11 @@ class Memory:
     def used_fraction(self) -> float | None:
         """Used memory over ``maxmemory``; None when the server sets no limit."""
         return self.used_bytes / self.max_bytes if self.max_bytes else None
+
+    @property
+    def server(self) -> str:
+        """The server's host:port (or socket path), without the words around it."""
+        return address_of(self.where)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +116,6 @@ async def check_client_eviction(client: Any) -> None:
             async def on_node(*args: Any, node: Any = node) -> Any:
                 return await client.execute_command(*args, target_nodes=node)
 
-            await check_eviction(on_node, f"redis at {node.host}:{node.port}")
+            await check_eviction(on_node, node_name(node))
         return
     await check_eviction(client.execute_command, server_name(client))

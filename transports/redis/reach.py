@@ -11,6 +11,7 @@ it goes and rides out the outages on the way.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from transports.redis.durability import Durability
 from transports.redis.eviction import EvictingRedisError, Memory, read_memory
 from transports.redis.watch import execute_raw
 
+log = logging.getLogger("tokcap.redis")
 T = TypeVar("T")
 # A connection failure is retried after 50 ms, doubling up to 0.5 s between attempts.
 RETRY_PAUSE_S, RETRY_MAX_PAUSE_S = 0.05, 0.5
@@ -87,6 +89,12 @@ class RedisReach:
             async with self._lock:
                 if self.durability is None:
                     self.durability = await self.retrying(self._prove)
+                    if self.durability.mode == "none":  # the explicit opt-out, said once
+                        log.warning(
+                            "durability='none': writes to %s are not made durable before "
+                            "put returns; a Redis crash can lose acknowledged entries",
+                            self.where,
+                        )
         return self._current_durability()
 
     async def _prove(self) -> Durability:
@@ -98,7 +106,7 @@ class RedisReach:
             self._connections = ProvingConnections(self.url, self.chosen, **self._pool_options)
             self.client = self._connections.client
         pool = self.client.connection_pool
-        if self._connections is not None and self.chosen.mode != "none":
+        if self._connections is not None:
             connection = await pool.get_connection()
             await pool.release(connection)
             assert self._connections.durability is not None
