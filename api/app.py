@@ -3,217 +3,48 @@
 A model call travels one way: the prefix router (``api.routing``) strips the rollout prefix
 and opens the capture context; the dialect translates the request into one chat request;
 the upstream client calls the engine; the capture step stores the ids; the dialect builds
-the reply, streamed or not. Each step reads only the previous step's output.
+the reply, streamed or not (``api.serving``: the wait, keep-alive and hang-ups). Each step
+reads only the previous step's output. This module wires the routes, the probes and the
+worker's start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from api import sse
-from api.capture_step import capture
 from api.collisions import CollisionWatch
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
-from api.generation import Generation, UpstreamError
-from api.hangup import client_gone
-from api.jsonbytes import JSONBytesResponse
-from api.limits import RETRY_HEADERS, BodyLimit, parse_json_object
+from api.generation import UpstreamError
+from api.limits import BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
-from api.prompts.faithful import FaithfulPrompts, Prompt, faithful_prompts
+from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.routing import OPEN_PATHS, CapturePrefixRouter, RequireKey, SinkSlot
+from api.serving import Dialect, serve_call
 from api.settings import ServerSettings, settings_from_environment
-from api.traits import request_traits, with_traits
 from api.upstream import UpstreamClient
-from capture.context import (
-    begin_call,
-    current_call,
-    mark_unreceived,
-    resolve_unserved,
-    void_call,
-)
 from capture.protocols import StartupCheck, TokenSink
 from capture.registry import installed_token_sink
 
-# nginx's status for a request whose client closed the connection first; nobody reads it.
-CLIENT_CLOSED_REQUEST = 499
 # How long /ready waits for the sink and for the upstream; a probe must answer quickly.
 READY_TIMEOUT_S = 2.0
 # How long a /metrics scrape waits for the Redis memory reading before it answers without.
 SCRAPE_MEMORY_TIMEOUT_S = 0.5
 
 
-@dataclass(frozen=True)
-class Dialect:
-    """The four functions that make one wire dialect."""
-
-    name: str
-    to_chat: Callable[[Mapping[str, Any]], dict[str, Any]]
-    reply: Callable[[Any, Mapping[str, Any]], dict[str, Any]]
-    stream: Callable[[dict[str, Any], Mapping[str, Any]], Iterator[bytes]]
-    error_body: Callable[[int, str], dict[str, Any]]
-
-
-DIALECTS = {
-    module.NAME: Dialect(
-        module.NAME, module.to_chat, module.reply, module.stream, module.error_body
-    )
-    for module in (anthropic, chat, responses)
-}
+DIALECTS = {module.NAME: Dialect.of(module) for module in (anthropic, chat, responses)}
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
     return parse_json_object(await request.body())
-
-
-def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
-    """Write the call's intent while the engine works instead of before it.
-
-    The intent does its job if it is durable before the call's reply can reach the harness:
-    a freeze that lands before then sees the call pending, or makes ``begin_call`` fail,
-    which marks the rollout incomplete, exactly as when the intent was written before
-    dispatch. The caller awaits it before the capture step (so before the entry's put and
-    before any reply), and before voiding a call that failed upstream. Overlapping it with
-    the upstream call takes the intent's durable write (a thread hop and an fsync) off the
-    call's latency. Untagged traffic has nothing to write: None.
-    """
-    if current_call() is None:
-        return None
-    return asyncio.ensure_future(begin_call())
-
-
-async def serve_call(request: Request, dialect: Dialect) -> Response:
-    """One model call: translate, call upstream, capture, reply (only over a durable record)."""
-    state = request.app.state
-    metrics: FrontEndMetrics = state.metrics
-    try:
-        body = await _json_body(request)
-        chat_request = dialect.to_chat(body)
-        traits = request_traits(body, chat_request)
-        prompt = await _faithful_prompt(state, chat_request)
-    except (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
-        metrics.record_call(dialect.name, "bad_request")
-        message = str(exc) if not isinstance(exc, RecursionError) else "request nested too deeply"
-        return JSONResponse(dialect.error_body(400, message), status_code=400)
-    intent = _begin_call_while_dispatching()
-    started = time.perf_counter()
-    try:
-        with _watched(state, traits):
-            generation = with_traits(await _generate(state, chat_request, prompt), traits)
-    except Exception as exc:
-        if intent is not None:
-            await intent
-        # Nothing reached the harness: the intent is resolved, the rollout is not masked.
-        await void_call()
-        metrics.record_call(dialect.name, "upstream_error")
-        status, message = (
-            (exc.status, exc.message)
-            if isinstance(exc, UpstreamError)
-            else (502, f"upstream call failed: {type(exc).__name__}: {exc}")
-        )
-        return JSONResponse(dialect.error_body(status, message), status_code=status)
-    finally:
-        metrics.upstream_seconds.labels(dialect=dialect.name).observe(time.perf_counter() - started)
-    if intent is not None:
-        await intent  # durable before the entry, and so before any reply reaches the harness
-    captured = await capture(generation)
-    metrics.record_call(dialect.name, captured.outcome, captured.put_seconds)
-    if captured.outcome == "unrecorded":
-        resolve_unserved("the call was answered 503")
-        return _unavailable(dialect)
-    reply = dialect.reply(captured, body)
-    headers = {"x-tokcap-prompt": prompt.how} if prompt is not None else {}
-    if body.get("stream") is True:
-        events = _delivered_stream(dialect.stream(reply, body), request, metrics)
-        headers.update(sse.SSE_HEADERS)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    if await client_gone(request):
-        await _unreceived(metrics, "the client disconnected before the reply was sent")
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONBytesResponse(reply, headers=headers)
-
-
-def _watched(state: Any, traits: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-    """The call's history held as in flight for its rollout (``api.collisions``)."""
-    call = current_call()
-    if call is None:
-        return contextlib.nullcontext()
-    return state.collisions.call(call.rollout_id, traits)
-
-
-async def _faithful_prompt(state: Any, chat_request: dict[str, Any]) -> Prompt | None:
-    """Faithful prompts: the ids this call sends, continuing the call its history ends in
-    (``api.prompts.faithful``); None in text mode, where the engine renders the messages.
-    The ``x-tokcap-prompt`` reply header says how the prompt was made."""
-    prompts: FaithfulPrompts | None = state.prompts
-    if prompts is None:
-        return None
-    prompt = await prompts.build(chat_request)
-    state.metrics.record_prompt(prompt.continued is not None, prompt.fallback)
-    return prompt
-
-
-async def _generate(state: Any, chat_request: dict[str, Any], prompt: Prompt | None) -> Generation:
-    """One sampled reply: the engine renders the chat request (text mode), or continues the
-    prompt's ids token-in and the reply is read from the sampled ids (faithful mode)."""
-    if prompt is None:
-        return await state.upstream.chat(chat_request)
-    generation = await state.upstream.complete_ids(
-        prompt.ids, prompt.sampling, chat_request.get("model")
-    )
-    return state.prompts.served(prompt, generation)
-
-
-def _unavailable(dialect: Dialect) -> Response:
-    """A retryable 503 in the harness's dialect (Anthropic: ``overloaded_error``)."""
-    message = (
-        "the token capture store could not record this call in time; the reply was "
-        "withheld so the rollout stays exact: retry the request"
-    )
-    return JSONResponse(dialect.error_body(503, message), status_code=503, headers=RETRY_HEADERS)
-
-
-async def _unreceived(metrics: FrontEndMetrics, reason: str) -> None:
-    metrics.unreceived.inc()
-    await mark_unreceived(reason)
-
-
-async def _delivered_stream(
-    events: Iterator[bytes], request: Request, metrics: FrontEndMetrics
-) -> AsyncIterator[bytes]:
-    """The stream, its final event only to a client still there; else the call is unreceived.
-
-    The events are ready-made, so iterating them on the loop avoids a threadpool hop each.
-    The generator resumes after its last yield only once the final event was sent. When the
-    client went away first (the response may be cancelled, and the capture context gone with
-    it), the note is written in the background.
-    """
-    call = current_call()  # the first iteration runs in the request's context; later, maybe not
-    final = b""
-    delivered = False
-    try:
-        for event in events:
-            if final:
-                yield final
-            final = event
-        if not await client_gone(request):
-            yield final
-            delivered = True
-    finally:
-        if not delivered:
-            metrics.unreceived.inc()
-            resolve_unserved("the client left before the stream's final event", call)
 
 
 def _request_body(schema: dict[str, Any]) -> dict[str, Any]:

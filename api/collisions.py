@@ -26,6 +26,7 @@ import prometheus_client
 
 from capture.build.roots import ANSWERED_BEFORE, TURNS_BEFORE
 from capture.build.segments import is_side_request
+from capture.context import CallCapture
 
 log = logging.getLogger("tokcap.frontend")
 
@@ -62,12 +63,13 @@ class CollisionWatch:
         self._reported: OrderedDict[str, None] = OrderedDict()
 
     @contextmanager
-    def call(self, rollout_id: str, traits: Mapping[str, Any]) -> Iterator[None]:
-        """Hold the call's history as in flight while the block runs."""
+    def watching(self, call: CallCapture | None, traits: Mapping[str, Any]) -> Iterator[None]:
+        """Hold a captured call's history as in flight while the block runs."""
         found = history_of(traits)
-        if found is None:
+        if call is None or found is None:
             yield
             return
+        rollout_id = call.rollout_id
         flying = self._in_flight.setdefault(rollout_id, Counter())
         if any(other[0] == found[0] and other[1] != found[1] for other in flying):
             self._report(rollout_id)

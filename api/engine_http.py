@@ -16,8 +16,6 @@ import aiohttp
 from yarl import URL
 
 JSON_HEADERS = {"content-type": "application/json"}
-# Concurrent calls of a harness fleet reuse warm connections instead of reconnecting.
-MAX_CONNECTIONS = 100
 # uvicorn, which serves vLLM and SGLang, closes a connection idle for 5 s; a pooled one kept
 # as long can be closed just as a request goes out on it. Expire ours well before that.
 KEEPALIVE_EXPIRY_S = 2.0
@@ -32,8 +30,13 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 class EngineHTTP:
     """POSTs and GETs against one base URL, with the auth header every request carries."""
 
-    def __init__(self, base_url: str, *, headers: dict[str, str], timeout_s: float) -> None:
+    def __init__(
+        self, base_url: str, *, headers: dict[str, str], timeout_s: float, connections: int = 0
+    ) -> None:
         self.base_url = base_url
+        # Concurrent calls reuse warm connections; 0 opens as many as there are calls, so
+        # the engine, not this pool, decides how many it serves at once.
+        self._connections = connections
         self._headers = headers
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -48,7 +51,7 @@ class EngineHTTP:
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(
-                limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_EXPIRY_S
+                limit=self._connections, keepalive_timeout=KEEPALIVE_EXPIRY_S
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,

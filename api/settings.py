@@ -25,6 +25,13 @@ SERVER_KEY = "model_server"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # Request bytes in flight per process; parsed, each body byte costs several bytes of memory.
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
+# A streamed call not done by then opens its stream and sends a keep-alive this often: well
+# inside the shortest idle limit a harness sets (the Claude Code CLI's byte idle watchdog
+# goes down to 10 s), and often enough that a load balancer's idle timeout never fires.
+DEFAULT_KEEPALIVE_S = 5.0
+# Connections to the engine open at once, per worker; 0: no limit, so every call the
+# harnesses send reaches the engine's own queue (the engine admits them, not tokcap).
+DEFAULT_UPSTREAM_CONNECTIONS = 0
 # Environment overrides: variable -> settings field.
 ENV_CONFIG = "TOKCAP_CONFIG"
 ENV_OVERRIDES = {
@@ -39,9 +46,12 @@ ENV_OVERRIDES = {
     "TOKCAP_RENDERER_TOKENIZER": "renderer_tokenizer",
     "TOKCAP_AUTH_SECRET": "auth_secret",
     "TOKCAP_DOCS": "docs",
+    "TOKCAP_KEEPALIVE_S": "keepalive_s",
+    "TOKCAP_UPSTREAM_CONNECTIONS": "upstream_connections",
 }
 PROMPT_MODES = ("text", "faithful")
-INTEGER_SETTINGS = ("max_body_bytes", "max_inflight_bytes")
+INTEGER_SETTINGS = ("max_body_bytes", "max_inflight_bytes", "upstream_connections")
+FLOAT_SETTINGS = ("keepalive_s",)
 BOOLEAN_SETTINGS = ("docs",)
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -68,6 +78,8 @@ class ModelServerBlock(BaseModel):
     max_inflight_bytes: int = Field(default=DEFAULT_MAX_INFLIGHT_BYTES, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
+    upstream_connections: int = Field(default=DEFAULT_UPSTREAM_CONNECTIONS, ge=0)
+    keepalive_s: float = Field(default=DEFAULT_KEEPALIVE_S, gt=0)
     vocab_size: int | None = Field(default=None, gt=0)
     capture_timeout_s: float = Field(default=DEFAULT_CAPTURE_TIMEOUT_S, gt=0)
     engine: Literal["auto", "vllm", "sglang"] = "auto"
@@ -91,6 +103,10 @@ class ServerSettings:
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     body_timeout_s: float = 30.0  # a body not received by then is cut with a 408
     upstream_timeout_s: float = 600.0
+    # Connections to the engine per worker (0: no limit; see DEFAULT_UPSTREAM_CONNECTIONS).
+    upstream_connections: int = DEFAULT_UPSTREAM_CONNECTIONS
+    # A streamed call not done by then opens its stream and is kept alive this often.
+    keepalive_s: float = DEFAULT_KEEPALIVE_S
     # The model's vocabulary size; when set, an upstream id at or beyond it is not captured.
     vocab_size: int | None = None
     # How long a call waits for its entry, or its loss, to become durable before the
@@ -132,6 +148,10 @@ class ServerSettings:
             raise ConfigError(
                 "model_server.auth_secret must be at least 16 characters (a rollout token is "
                 "only as hard to forge as the secret is to guess); leave it unset for no keys"
+            )
+        if self.keepalive_s <= 0 or self.upstream_connections < 0:
+            raise ConfigError(
+                "model_server.keepalive_s must be > 0 and upstream_connections >= 0 (0: no limit)"
             )
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ConfigError(
@@ -181,6 +201,11 @@ class ServerSettings:
                     changes[name] = int(value)
                 except ValueError:
                     raise ConfigError(f"{variable} must be an integer, got {value!r}") from None
+            elif name in FLOAT_SETTINGS:
+                try:
+                    changes[name] = float(value)
+                except ValueError:
+                    raise ConfigError(f"{variable} must be a number, got {value!r}") from None
             elif name in BOOLEAN_SETTINGS:
                 if value.lower() not in TRUE_WORDS + FALSE_WORDS:
                     raise ConfigError(f"{variable} must be 1 or 0, got {value!r}")

@@ -110,6 +110,7 @@ class UpstreamClient:
         vocab_size: int | None = None,
         engine: str = "auto",
         api_key: str | None = None,
+        connections: int = 0,
     ) -> None:
         if vocab_size is not None and vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive integer or None, not {vocab_size}")
@@ -126,9 +127,7 @@ class UpstreamClient:
         authorization = f"Bearer {api_key}" if api_key else basic_auth
         headers = {"authorization": authorization} if authorization else {}
         self._http = EngineHTTP(
-            self.base_url,
-            headers=headers,
-            timeout_s=timeout_s,
+            self.base_url, headers=headers, timeout_s=timeout_s, connections=connections
         )
         self._served_model: str | None = None  # the upstream's first model, once asked
         self.max_model_len: int | None = None
@@ -147,6 +146,7 @@ class UpstreamClient:
             vocab_size=settings.vocab_size,
             engine=settings.engine,
             api_key=settings.upstream_api_key,
+            connections=settings.upstream_connections,
         )
 
     async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -111,6 +111,19 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: off)",
     )
     parser.add_argument(
+        "--first-token-s",
+        type=float,
+        default=0.0,
+        help="seconds before the first token, as a loaded engine queues and prefills "
+        "(default %(default)s: at once)",
+    )
+    parser.add_argument(
+        "--token-s",
+        type=float,
+        default=0.0,
+        help="seconds per generated token after the first (default %(default)s)",
+    )
+    parser.add_argument(
         "--json-reserialize",
         action="store_true",
         help="tool-call JSON is generated compact, re-rendered with spaces (default: off)",
@@ -154,6 +167,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         json_reserialize=args.json_reserialize,
         token_id_fields=not args.without_token_ids,
         logprobs_mode=args.logprobs_mode,
+        first_token_s=args.first_token_s,
+        token_s=args.token_s,
     )
     if args.generation_config:
         settings.generation_config = load_generation_config(args.generation_config)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from .chat_template import ChatTemplate, chat_template
 from .ground_truth import GroundTruthLog
+from .pacing import Pace
 from .policies import Conversation, Policy, Reply, make_policy, reply_text
 from .sampler import PseudoModel, Step
 from .settings import EngineSettings
@@ -95,6 +96,7 @@ class Engine:
         self.model = PseudoModel(self.tokenizer.vocab_size, seed=0)
         self.policy: Policy = make_policy(settings.policy, settings.script_path)
         self.ground_truth = GroundTruthLog(settings.ground_truth_path)
+        self.pace = Pace(settings.first_token_s, settings.token_s)
         self._calls = itertools.count()
         self._lock = threading.Lock()
 

@@ -4,7 +4,7 @@
 (``engine.wire_vllm``, the default) or SGLang 0.5.23's (``engine.wire_sglang``). Both wires
 share ``GET /health`` and, with ``settings.ground_truth`` (``--ground-truth``), ``GET``/``DELETE
 /tokcap/ground_truth`` (every sampled sequence, for tests and the demo; nobody else should
-read another's samples), and sample the same sequences for the same request. With an
+read another's samples) and ``GET /tokcap/aborted`` (``engine.pacing``), and sample the same sequences for the same request. With an
 ``api_key`` each wire asks for it where its engine does (``engine.auth``).
 """
 
@@ -38,10 +38,16 @@ async def clear_ground_truth(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def aborted(request: Request) -> list[dict]:
+    """The requests whose client left while the paced engine was answering them."""
+    return list(_engine(request).pace.aborted)
+
+
 SHARED_ROUTES = (("/health", health, "GET"),)
 GROUND_TRUTH_ROUTES = (
     ("/tokcap/ground_truth", ground_truth, "GET"),
     ("/tokcap/ground_truth", clear_ground_truth, "DELETE"),
+    ("/tokcap/aborted", aborted, "GET"),
 )
 
 

@@ -53,6 +53,10 @@ class EngineSettings:
     # tests compare captured log-probs with sampling at the harness's temperature.
     logprobs_mode: str = "processed_logprobs"
     generation_config: dict = field(default_factory=lambda: dict(DEFAULT_GENERATION))
+    # Paced like a real engine under load (``engine.pacing``): seconds to the first token,
+    # then per token; 0 answers at once.
+    first_token_s: float = 0.0
+    token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:
@@ -61,6 +65,8 @@ class EngineSettings:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
         if self.policy not in ("scripted", "random"):
             raise ValueError(f"policy must be 'scripted' or 'random', not {self.policy!r}")
+        if self.first_token_s < 0 or self.token_s < 0:
+            raise ValueError("first_token_s and token_s must be >= 0")
         if not 0.0 <= self.noncanonical_rate <= 1.0:
             raise ValueError("noncanonical_rate must be within [0, 1]")
         if self.tokenizer_path not in (None, QWEN3) and not Path(self.tokenizer_path).is_file():

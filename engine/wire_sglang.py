@@ -21,13 +21,14 @@ from http import HTTPStatus
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from api.jsonbytes import JSONBytesResponse
 
 from . import calls
 from . import sglang_responses as replies
 from .generation import ContextLengthError, Engine, SamplingParams, ScriptedError
+from .pacing import CLIENT_CLOSED_REQUEST, longest, streamed, wait_whole
 from .sglang_protocol import GenerateRequest, GenerateSamplingParams, SGLangChatRequest
 
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose shapes this wire follows
@@ -165,7 +166,7 @@ def _chat_reply(
 
 
 async def chat_completions(req: SGLangChatRequest, request: Request) -> Response:
-    started = time.perf_counter()
+    started, arrived = time.perf_counter(), time.monotonic()
     engine = _engine(request)
     refused = req.stream_refused_flag
     if refused is not None:
@@ -180,10 +181,10 @@ async def chat_completions(req: SGLangChatRequest, request: Request) -> Response
     call = calls.run_chat(engine, req, rid, top + 1 if top else 0)
     reply = _chat_reply(engine, req, rid, call.prompt_ids, started)
     if req.stream:
-        return StreamingResponse(
-            replies.chat_stream(engine.tokenizer, call.generations, reply),
-            media_type="text/event-stream",
-        )
+        lines = replies.chat_stream(engine.tokenizer, call.generations, reply)
+        return streamed(engine.pace, lines, rid, arrived)
+    if not await wait_whole(engine.pace, request, longest(call.generations), rid, arrived):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(replies.chat_completion(engine.tokenizer, call.generations, reply))
 
 
@@ -201,7 +202,7 @@ def _generate_sampling(params: GenerateSamplingParams, top: int) -> SamplingPara
 
 
 async def generate(req: GenerateRequest, request: Request) -> Response:
-    started = time.perf_counter()
+    started, arrived = time.perf_counter(), time.monotonic()
     engine = _engine(request)
     if req.input_ids is not None:
         refused = calls.out_of_vocabulary(engine, req.input_ids)
@@ -223,10 +224,10 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     )
     text = req.return_text_in_logprobs
     if req.stream:
-        return StreamingResponse(
-            replies.generate_stream(engine.tokenizer, gen, reply, text),
-            media_type="text/event-stream",
-        )
+        lines = replies.generate_stream(engine.tokenizer, gen, reply, text)
+        return streamed(engine.pace, lines, rid, arrived)
+    if not await wait_whole(engine.pace, request, len(gen.token_ids), rid, arrived):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(replies.generate(engine.tokenizer, gen, reply, text))
 
 

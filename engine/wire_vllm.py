@@ -16,12 +16,13 @@ from http import HTTPStatus
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from api.jsonbytes import JSONBytesResponse
 
 from . import calls, responses
 from .generation import ContextLengthError, Engine, ScriptedError
+from .pacing import CLIENT_CLOSED_REQUEST, longest, streamed, wait_whole
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -138,20 +139,22 @@ async def models(request: Request) -> dict:
 
 
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    arrived = time.monotonic()
     engine = _engine(request)
     top = req.top_logprobs or 0
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     call = calls.run_chat(engine, req, response_id, top)
     opts = _options(engine, req, response_id, call.prompt_ids, bool(req.logprobs), top)
     if req.stream:
-        return StreamingResponse(
-            responses.chat_stream(engine.tokenizer, call.generations, opts),
-            media_type="text/event-stream",
-        )
+        lines = responses.chat_stream(engine.tokenizer, call.generations, opts)
+        return streamed(engine.pace, lines, response_id, arrived)
+    if not await wait_whole(engine.pace, request, longest(call.generations), response_id, arrived):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(responses.chat_completion(engine.tokenizer, call.generations, opts))
 
 
 async def completions(req: CompletionRequest, request: Request) -> Response:
+    arrived = time.monotonic()
     engine = _engine(request)
     prompts = req.prompts
     if not prompts:
@@ -173,10 +176,11 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         gens = engine.generate(prompt_ids, conversation, sampling, n=n, request_id=opts.response_id)
         batches.append((prompt_ids, gens))
     if req.stream:
-        return StreamingResponse(
-            responses.completion_stream(engine.tokenizer, batches, opts, n),
-            media_type="text/event-stream",
-        )
+        lines = responses.completion_stream(engine.tokenizer, batches, opts, n)
+        return streamed(engine.pace, lines, opts.response_id, arrived)
+    tokens = max(longest(gens) for _, gens in batches)
+    if not await wait_whole(engine.pace, request, tokens, opts.response_id, arrived):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONBytesResponse(responses.completion(engine.tokenizer, batches, opts, n))
 
 

@@ -246,8 +246,19 @@ def content_blocks(captured: CapturedCall) -> list[dict[str, Any]]:
     return blocks
 
 
-def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
+def reply_head(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply's identity, fixed before the engine answers (a stream opens with it)."""
+    return {
+        "id": new_id("msg_"),
+        "model": body.get("model") if isinstance(body.get("model"), str) else "",
+    }
+
+
+def reply(
+    captured: CapturedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The Messages reply to the harness: content only, never token arrays."""
+    head = head or reply_head(body)
     generation = captured.generation
     stop_reason = STOP_REASONS.get(generation.finish_reason or "stop", "end_turn")
     stop_sequence = None
@@ -261,10 +272,10 @@ def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
     if any(block["type"] == "tool_use" for block in content_blocks(captured)):
         stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
     return {
-        "id": new_id("msg_"),
+        "id": head["id"],
         "type": "message",
         "role": "assistant",
-        "model": body.get("model") if isinstance(body.get("model"), str) else "",
+        "model": head["model"],
         "content": content_blocks(captured),
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
@@ -306,30 +317,93 @@ def _block_delta(block: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"type": "text_delta", "text": block["text"]} if block["text"] else None
 
 
-def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
-    """message_start, one start/delta/stop per content block, message_delta, message_stop."""
-    start = copy.deepcopy(dict(reply))
-    start.update(content=[], stop_reason=None, stop_sequence=None)
-    start["usage"] = {**reply["usage"], "output_tokens": 0}
-    yield event("message_start", {"type": "message_start", "message": start})
+# The keep-alive Anthropic's API sends on a stream while nothing else is sent.
+KEEPALIVE = event("ping", {"type": "ping"})
+
+
+def _message_start(message: Mapping[str, Any]) -> bytes:
+    return event("message_start", {"type": "message_start", "message": message})
+
+
+def opening(head: Mapping[str, Any], body: Mapping[str, Any]) -> list[bytes]:
+    """What a stream sends before the reply is known: ``message_start``, no usage yet."""
+    usage = {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+    message = {
+        "id": head["id"],
+        "type": "message",
+        "role": "assistant",
+        "model": head["model"],
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    return [_message_start(message)]
+
+
+def stream_error(
+    head: Mapping[str, Any], body: Mapping[str, Any], status: int, message: str, sent: int
+) -> bytes:
+    """The event that ends a stream whose reply cannot be served (an error the SDKs raise)."""
+    return event("error", error_body(status, message))
+
+
+def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> list[bytes]:
+    """The reply's events: ``message_start`` (unless the stream ``opened`` already), one
+    start/delta/stop per content block, ``message_delta`` (with the input tokens, which an
+    early ``message_start`` could not know), ``message_stop``."""
+    sent: list[bytes] = []
+    if not opened:
+        start = copy.deepcopy(dict(reply))
+        start.update(content=[], stop_reason=None, stop_sequence=None)
+        start["usage"] = {**reply["usage"], "output_tokens": 0}
+        sent.append(_message_start(start))
     for index, block in enumerate(reply["content"]):
-        yield event(
-            "content_block_start",
-            {"type": "content_block_start", "index": index, "content_block": _block_start(block)},
+        sent.append(
+            event(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": index,
+                    "content_block": _block_start(block),
+                },
+            )
         )
         delta = _block_delta(block)
         if delta is not None:
-            yield event(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": delta},
+            sent.append(
+                event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": delta},
+                )
             )
-        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
-    yield event(
-        "message_delta",
-        {
-            "type": "message_delta",
-            "delta": {"stop_reason": reply["stop_reason"], "stop_sequence": reply["stop_sequence"]},
-            "usage": {"output_tokens": reply["usage"]["output_tokens"]},
-        },
+        sent.append(event("content_block_stop", {"type": "content_block_stop", "index": index}))
+    usage = reply["usage"]
+    sent.append(
+        event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {
+                    "stop_reason": reply["stop_reason"],
+                    "stop_sequence": reply["stop_sequence"],
+                },
+                "usage": {
+                    "input_tokens": usage["input_tokens"],
+                    "output_tokens": usage["output_tokens"],
+                },
+            },
+        )
     )
-    yield event("message_stop", {"type": "message_stop"})
+    sent.append(event("message_stop", {"type": "message_stop"}))
+    return sent
+
+
+def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
+    """message_start, one start/delta/stop per content block, message_delta, message_stop."""
+    yield from events(reply, body, opened=False)

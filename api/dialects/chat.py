@@ -105,8 +105,20 @@ def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     return request
 
 
-def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
+def reply_head(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply's identity, fixed before the engine answers (a stream opens with it)."""
+    return {
+        "id": new_id("chatcmpl-"),
+        "created": int(time.time()),
+        "model": body.get("model") if isinstance(body.get("model"), str) else "",
+    }
+
+
+def reply(
+    captured: CapturedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The chat completion served to the harness (no log-probs, no token ids)."""
+    head = head or reply_head(body)
     generation = captured.generation
     message: dict[str, Any] = {"role": "assistant", "content": generation.message.get("content")}
     if generation.reasoning:
@@ -124,10 +136,10 @@ def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
         message["tool_calls"] = calls
     prompt, completion = generation.prompt_tokens, generation.completion_tokens
     return {
-        "id": new_id("chatcmpl-"),
+        "id": head["id"],
         "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.get("model") if isinstance(body.get("model"), str) else "",
+        "created": head["created"],
+        "model": head["model"],
         "choices": [
             {
                 "index": 0,
@@ -152,37 +164,64 @@ def include_usage(body: Mapping[str, Any]) -> bool:
 error_body = openai_error_body
 
 
-def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
-    """A role chunk, reasoning, content, one chunk per tool call, the finish, then [DONE]."""
-    with_usage = include_usage(body)
-    base = {
-        "id": reply["id"],
+# An SSE comment: what a stream sends while nothing else is (SDKs skip comment lines).
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def _chunk(
+    head: Mapping[str, Any], body: Mapping[str, Any], delta: dict[str, Any], finish: Any = None
+) -> bytes:
+    chunk_body: dict[str, Any] = {
+        "id": head["id"],
         "object": "chat.completion.chunk",
-        "created": reply["created"],
-        "model": reply["model"],
+        "created": head["created"],
+        "model": head["model"],
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
+    if include_usage(body):
+        chunk_body["usage"] = None
+    return event(None, chunk_body)
+
+
+def opening(head: Mapping[str, Any], body: Mapping[str, Any]) -> list[bytes]:
+    """What a stream sends before the reply is known: the role chunk."""
+    return [_chunk(head, body, {"role": "assistant", "content": ""})]
+
+
+def stream_error(
+    head: Mapping[str, Any], body: Mapping[str, Any], status: int, message: str, sent: int
+) -> bytes:
+    """The data event that ends a stream whose reply cannot be served: an object with
+    ``error``, which the OpenAI SDK raises (as vLLM ends a failed stream)."""
+    return event(None, error_body(status, message))
+
+
+def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> list[bytes]:
+    """A role chunk (unless the stream ``opened`` already), reasoning, content, one chunk
+    per tool call, the finish, the usage when asked, then [DONE]."""
+    head = {key: reply[key] for key in ("id", "created", "model")}
     choice = reply["choices"][0]
     message = choice["message"]
-
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        chunk_body = {
-            **base,
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            ],
-        }
-        if with_usage:
-            chunk_body["usage"] = None
-        return event(None, chunk_body)
-
-    yield chunk({"role": "assistant", "content": ""})
+    sent = [] if opened else opening(head, body)
     if message.get("reasoning_content"):
-        yield chunk({"reasoning_content": message["reasoning_content"]})
+        sent.append(_chunk(head, body, {"reasoning_content": message["reasoning_content"]}))
     if message.get("content"):
-        yield chunk({"content": message["content"]})
+        sent.append(_chunk(head, body, {"content": message["content"]}))
     for index, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": index, **call}]})
-    yield chunk({}, choice["finish_reason"])
-    if with_usage:
-        yield event(None, {**base, "choices": [], "usage": reply["usage"]})
-    yield event(None, "[DONE]")
+        sent.append(_chunk(head, body, {"tool_calls": [{"index": index, **call}]}))
+    sent.append(_chunk(head, body, {}, choice["finish_reason"]))
+    if include_usage(body):
+        usage_chunk = {
+            **head,
+            "object": "chat.completion.chunk",
+            "choices": [],
+            "usage": reply["usage"],
+        }
+        sent.append(event(None, usage_chunk))
+    sent.append(event(None, "[DONE]"))
+    return sent
+
+
+def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
+    """A role chunk, reasoning, content, one chunk per tool call, the finish, then [DONE]."""
+    yield from events(reply, body, opened=False)

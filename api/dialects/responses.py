@@ -161,20 +161,26 @@ def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
-    """The Responses object served to the harness: the captured items, no token arrays."""
-    generation = captured.generation
-    truncated = generation.finish_reason == "length"
-    prompt, completion = generation.prompt_tokens, generation.completion_tokens
+def reply_head(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply's identity, fixed before the engine answers (a stream opens with it)."""
     return {
         "id": new_id("resp_"),
-        "object": "response",
         "created_at": int(time.time()),
-        "status": "incomplete" if truncated else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
-        "error": None,
         "model": body.get("model") if isinstance(body.get("model"), str) else "",
-        "output": copy.deepcopy(captured.items),
+    }
+
+
+def _response(head: Mapping[str, Any], body: Mapping[str, Any], **state: Any) -> dict[str, Any]:
+    """A Responses object of this request, in the given state (status, output, usage...)."""
+    return {
+        "id": head["id"],
+        "object": "response",
+        "created_at": head["created_at"],
+        "status": "in_progress",
+        "incomplete_details": None,
+        "error": None,
+        "model": head["model"],
+        "output": [],
         "instructions": body.get("instructions"),
         "tools": body.get("tools") or [],
         "tool_choice": body.get("tool_choice") or "auto",
@@ -186,14 +192,32 @@ def reply(captured: CapturedCall, body: Mapping[str, Any]) -> dict[str, Any]:
         "metadata": {},
         "text": {"format": {"type": "text"}},
         "truncation": "disabled",
-        "usage": {
+        "usage": None,
+        **state,
+    }
+
+
+def reply(
+    captured: CapturedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The Responses object served to the harness: the captured items, no token arrays."""
+    generation = captured.generation
+    truncated = generation.finish_reason == "length"
+    prompt, completion = generation.prompt_tokens, generation.completion_tokens
+    return _response(
+        head or reply_head(body),
+        body,
+        status="incomplete" if truncated else "completed",
+        incomplete_details={"reason": "max_output_tokens"} if truncated else None,
+        output=copy.deepcopy(captured.items),
+        usage={
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,
         },
-    }
+    )
 
 
 error_body = openai_error_body
@@ -210,10 +234,48 @@ def _item_added(item: Mapping[str, Any]) -> dict[str, Any]:
     return added
 
 
+# An SSE comment: what a stream sends while nothing else is (SDKs skip comment lines).
+KEEPALIVE = b": keep-alive\n\n"
+_OPENING_EVENTS = 2  # response.created, response.in_progress
+
+
+def _numbered(emitted: Iterator[tuple[str, dict[str, Any]]], first: int = 0) -> list[bytes]:
+    return [
+        event(kind, {"type": kind, "sequence_number": first + n, **fields})
+        for n, (kind, fields) in enumerate(emitted)
+    ]
+
+
+def _opening(response: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield _emit("response.created", response=response)
+    yield _emit("response.in_progress", response=response)
+
+
+def opening(head: Mapping[str, Any], body: Mapping[str, Any]) -> list[bytes]:
+    """What a stream sends before the reply is known: created and in progress."""
+    return _numbered(_opening(_response(head, body)))
+
+
+def stream_error(
+    head: Mapping[str, Any], body: Mapping[str, Any], status: int, message: str, sent: int
+) -> bytes:
+    """``response.failed``, which ends a stream whose reply cannot be served (``sent``: the
+    events before it, so its sequence number follows theirs)."""
+    code = "invalid_request" if 400 <= status < 500 else "server_error"
+    failed = _response(head, body, status="failed", error={"code": code, "message": message})
+    return _numbered(iter([_emit("response.failed", response=failed)]), sent)[0]
+
+
+def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> list[bytes]:
+    """The reply's events, numbered from the stream's start; without the opening ones when
+    the stream ``opened`` already (they are the same for a reply of this head)."""
+    numbered = _numbered(_events(reply))
+    return numbered[_OPENING_EVENTS:] if opened else numbered
+
+
 def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
     """response.created ... one item at a time ... response.completed (or .incomplete)."""
-    for sequence, (kind, fields) in enumerate(_events(reply)):
-        yield event(kind, {"type": kind, "sequence_number": sequence, **fields})
+    yield from events(reply, body, opened=False)
 
 
 def _emit(kind: str, /, **fields: Any) -> tuple[str, dict[str, Any]]:
@@ -222,9 +284,14 @@ def _emit(kind: str, /, **fields: Any) -> tuple[str, dict[str, Any]]:
 
 def _events(reply: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     """The events of a finished reply, in order, unnumbered."""
-    opening = {**copy.deepcopy(dict(reply)), "status": "in_progress", "output": [], "usage": None}
-    yield _emit("response.created", response=opening)
-    yield _emit("response.in_progress", response=opening)
+    opening = {
+        **copy.deepcopy(dict(reply)),
+        "status": "in_progress",
+        "incomplete_details": None,
+        "output": [],
+        "usage": None,
+    }
+    yield from _opening(opening)
     for index, item in enumerate(reply["output"]):
         ids = {"item_id": item["id"], "output_index": index}
         yield _emit("response.output_item.added", output_index=index, item=_item_added(item))

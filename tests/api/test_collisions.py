@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from api import collisions
 from api.collisions import CollisionWatch
+from capture.context import CallCapture
 
 LOOP = {"system": "s", "tools": "t", "n_tools": 2, "first_user": "task-a"}
 
@@ -35,7 +36,7 @@ def in_flight(watcher: CollisionWatch, rollout: str, *calls: dict) -> None:
     """Hold every call of ``calls`` in flight at once, then let them all end."""
     with contextlib.ExitStack() as stack:
         for traits in calls:
-            stack.enter_context(watcher.call(rollout, traits))
+            stack.enter_context(watcher.watching(CallCapture(rollout, sink=None), traits))
 
 
 def test_another_task_or_the_same_task_elsewhere_is_a_collision(caplog) -> None:
@@ -75,3 +76,10 @@ def test_each_rollout_is_reported_once_within_what_is_remembered(monkeypatch) ->
     for rollout in ("b", "d"):  # "b" was forgotten for "c": reported again
         in_flight(watcher, rollout, call(), call(first_user="other"))
     assert counted(total) == 5
+
+
+def test_untagged_calls_are_not_watched() -> None:
+    watcher, total = watch()
+    with watcher.watching(None, call()), watcher.watching(None, call(first_user="b")):
+        assert watcher._in_flight == {}
+    assert counted(total) == 0

@@ -1,0 +1,309 @@
+"""One model call served while the harness waits: keep-alive, hang-ups, the final event.
+
+The call's work (the engine, then the capture) runs in a task of its own, so the handler
+watches the harness while it waits. A harness that hangs up before the engine answered
+cancels the engine request (closing the connection is how vLLM and SGLang abort one): the
+call's intent is voided and it counts as ``abandoned``. One that hangs up after lets the
+capture finish, and the call is noted unreceived. A streamed call that is not done within
+``keepalive_s`` opens its stream (the dialect's opening events) and sends the dialect's
+keep-alive every ``keepalive_s`` until it is, so a harness's request timeout never fires
+while the engine queues or prefills; a call done sooner is answered whole, a failure as a
+plain HTTP error. Either way the final event goes out only once the call's entry (or the
+record of its loss) is durable, and only to a harness still there; otherwise an open
+stream ends with the dialect's error event and the call counts as not served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from api import sse
+from api.capture_step import capture
+from api.dialects.common import RequestError
+from api.generation import Generation, UpstreamError
+from api.hangup import client_gone
+from api.jsonbytes import JSONBytesResponse
+from api.limits import RETRY_HEADERS, parse_json_object
+from api.metrics import FrontEndMetrics
+from api.prompts.faithful import FaithfulPrompts, Prompt
+from api.traits import request_traits, with_traits
+from api.types import CapturedCall
+from capture.context import (
+    CallCapture,
+    begin_call,
+    current_call,
+    mark_unreceived,
+    resolve_unserved,
+    void_call,
+)
+
+# nginx's status for a request whose client closed the connection first; nobody reads it.
+CLIENT_CLOSED_REQUEST = 499
+BAD_REQUEST_ERRORS = (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError)
+UNAVAILABLE = (
+    "the token capture store could not record this call in time; the reply was withheld "
+    "so the rollout stays exact: retry the request"
+)
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What makes one wire dialect: translation, the reply, its stream, its errors."""
+
+    name: str
+    to_chat: Callable[[Mapping[str, Any]], dict[str, Any]]
+    reply_head: Callable[[Mapping[str, Any]], dict[str, Any]]
+    reply: Callable[..., dict[str, Any]]
+    opening: Callable[[Mapping[str, Any], Mapping[str, Any]], list[bytes]]
+    events: Callable[[Mapping[str, Any], Mapping[str, Any], bool], list[bytes]]
+    stream_error: Callable[..., bytes]
+    keepalive: bytes
+    error_body: Callable[[int, str], dict[str, Any]]
+
+    @classmethod
+    def of(cls, module: Any) -> Dialect:
+        return cls(
+            module.NAME,
+            module.to_chat,
+            module.reply_head,
+            module.reply,
+            module.opening,
+            module.events,
+            module.stream_error,
+            module.KEEPALIVE,
+            module.error_body,
+        )
+
+
+@dataclass
+class Failed:
+    """The engine gave no usable reply: what the harness is told."""
+
+    status: int
+    message: str
+
+
+@dataclass
+class CallWork:
+    """The call's work as a task, and whether it is still waiting on the engine."""
+
+    call: CallCapture | None
+    generating: bool = True
+    task: asyncio.Task[CapturedCall | Failed] = field(init=False)
+
+
+async def serve_call(request: Request, dialect: Dialect) -> Response:
+    """One model call: translate, call upstream, capture, reply (only over a durable record)."""
+    state = request.app.state
+    metrics: FrontEndMetrics = state.metrics
+    try:
+        body = parse_json_object(await request.body())
+        chat_request = dialect.to_chat(body)
+        traits = request_traits(body, chat_request)
+        prompt = await _faithful_prompt(state, chat_request)
+    except BAD_REQUEST_ERRORS as exc:
+        metrics.record_call(dialect.name, "bad_request")
+        message = str(exc) if not isinstance(exc, RecursionError) else "request nested too deeply"
+        return JSONResponse(dialect.error_body(400, message), status_code=400)
+    head = dialect.reply_head(body)
+    headers = {"x-tokcap-prompt": prompt.how} if prompt is not None else {}
+    work = CallWork(current_call())
+    work.task = asyncio.ensure_future(_work(work, state, dialect, chat_request, traits, prompt))
+    streamed = body.get("stream") is True
+    settled = await _settle(work, request, state.settings.keepalive_s if streamed else None)
+    if settled == "gone":
+        _abandon(work, metrics)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    opened = settled == "waiting"  # a stream not done in time opens and is kept alive
+    outcome = None if opened else work.task.result()
+    if isinstance(outcome, Failed):
+        return JSONResponse(dialect.error_body(outcome.status, outcome.message), outcome.status)
+    if outcome is not None and outcome.outcome == "unrecorded":
+        return JSONResponse(dialect.error_body(503, UNAVAILABLE), 503, headers=RETRY_HEADERS)
+    if streamed:
+        headers.update(sse.SSE_HEADERS)
+        events = _stream(work, dialect, head, body, request, state, opened)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    assert outcome is not None
+    reply = dialect.reply(outcome, body, head)
+    if await client_gone(request):
+        metrics.unreceived.inc()
+        await mark_unreceived("the client disconnected before the reply was sent")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONBytesResponse(reply, headers=headers)
+
+
+async def _faithful_prompt(state: Any, chat_request: dict[str, Any]) -> Prompt | None:
+    """Faithful prompts: the ids this call sends, continuing the call its history ends in
+    (``api.prompts.faithful``); None in text mode, where the engine renders the messages.
+    The ``x-tokcap-prompt`` reply header says how the prompt was made."""
+    prompts: FaithfulPrompts | None = state.prompts
+    if prompts is None:
+        return None
+    prompt = await prompts.build(chat_request)
+    state.metrics.record_prompt(prompt.continued is not None, prompt.fallback)
+    return prompt
+
+
+async def _generate(state: Any, chat_request: dict[str, Any], prompt: Prompt | None) -> Generation:
+    """One sampled reply: the engine renders the chat request (text mode), or continues the
+    prompt's ids token-in and the reply is read from the sampled ids (faithful mode)."""
+    if prompt is None:
+        return await state.upstream.chat(chat_request)
+    generation = await state.upstream.complete_ids(
+        prompt.ids, prompt.sampling, chat_request.get("model")
+    )
+    return state.prompts.served(prompt, generation)
+
+
+def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
+    """Write the call's intent while the engine works instead of before it.
+
+    The intent does its job if it is durable before the call's reply can reach the harness:
+    a freeze that lands before then sees the call pending, or makes ``begin_call`` fail,
+    which marks the rollout incomplete, exactly as when the intent was written before
+    dispatch. It is awaited before the capture step (so before the entry's put and before
+    any reply), and before voiding a call that failed upstream or was abandoned.
+    Untagged traffic has nothing to write: None.
+    """
+    if current_call() is None:
+        return None
+    return asyncio.ensure_future(begin_call())
+
+
+async def _work(
+    work: CallWork,
+    state: Any,
+    dialect: Dialect,
+    chat_request: dict[str, Any],
+    traits: dict[str, Any],
+    prompt: Prompt | None,
+) -> CapturedCall | Failed:
+    """The engine, then the capture; the outcome the harness is answered with."""
+    metrics: FrontEndMetrics = state.metrics
+    intent = _begin_call_while_dispatching()
+    started = time.perf_counter()
+    try:
+        with state.collisions.watching(work.call, traits):
+            generation = with_traits(await _generate(state, chat_request, prompt), traits)
+    except asyncio.CancelledError:  # the harness hung up: nothing reached it
+        await _resolve_intent(intent)
+        metrics.record_call(dialect.name, "abandoned")
+        raise
+    except Exception as exc:
+        await _resolve_intent(intent)  # nothing reached the harness: not a loss
+        metrics.record_call(dialect.name, "upstream_error")
+        if isinstance(exc, UpstreamError):
+            return Failed(exc.status, exc.message)
+        return Failed(502, f"upstream call failed: {type(exc).__name__}: {exc}")
+    finally:
+        metrics.upstream_seconds.labels(dialect=dialect.name).observe(time.perf_counter() - started)
+    work.generating = False
+    if intent is not None:
+        await intent  # durable before the entry, and so before any reply reaches the harness
+    captured = await capture(generation)
+    metrics.record_call(dialect.name, captured.outcome, captured.put_seconds)
+    if captured.outcome == "unrecorded":
+        resolve_unserved("the call was answered 503, or its stream ended with an error")
+    return captured
+
+
+async def _resolve_intent(intent: asyncio.Future[None] | None) -> None:
+    if intent is not None:
+        await intent
+    await void_call()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the harness closed its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _settle(work: CallWork, request: Request, timeout: float | None) -> str:
+    """Wait for the work: "done", "gone" (the harness hung up first) or "waiting" (still
+    running after ``timeout``)."""
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        finished, _ = await asyncio.wait(
+            {work.task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        gone.cancel()
+    if gone in finished:
+        return "gone"
+    return "done" if work.task in finished else "waiting"
+
+
+def _abandon(work: CallWork, metrics: FrontEndMetrics) -> None:
+    """The harness left: cancel the engine request, or once the capture is done, note the
+    reply unreceived. Nothing here waits: it may run in a cancelled stream."""
+    if not work.task.done() and work.generating:
+        work.task.cancel()
+        return
+    reason = "the client left before the reply, or the stream's final event"
+
+    def unserved(task: asyncio.Task[Any]) -> None:
+        outcome = None if task.cancelled() else task.result()
+        if isinstance(outcome, CapturedCall) and outcome.outcome != "unrecorded":
+            metrics.unreceived.inc()
+            resolve_unserved(reason, work.call)
+
+    if work.task.done():
+        unserved(work.task)
+    else:
+        work.task.add_done_callback(unserved)
+
+
+async def _stream(
+    work: CallWork,
+    dialect: Dialect,
+    head: dict[str, Any],
+    body: Mapping[str, Any],
+    request: Request,
+    state: Any,
+    opened: bool,
+) -> AsyncIterator[bytes]:
+    """The stream of a call: when ``opened`` (not done in time) the opening events first and
+    a keep-alive every ``keepalive_s`` while the call runs; then its events, the final one
+    only over a durable record and to a harness still there, or the dialect's error event.
+
+    The generator resumes after its last yield only once the final event was sent. A
+    harness that leaves first cancels the stream, and then ``_abandon`` decides, without
+    waiting, what becomes of the call.
+    """
+    sent = 0
+    delivered = False
+    try:
+        for event in dialect.opening(head, body) if opened else ():
+            yield event
+            sent += 1
+        while not work.task.done():
+            finished, _ = await asyncio.wait({work.task}, timeout=state.settings.keepalive_s)
+            if not finished:
+                yield dialect.keepalive
+        outcome = work.task.result()
+        if isinstance(outcome, Failed):
+            yield dialect.stream_error(head, body, outcome.status, outcome.message, sent)
+            delivered = True  # the harness has its answer: the error, as it would a 502
+            return
+        if outcome.outcome == "unrecorded":
+            yield dialect.stream_error(head, body, 503, UNAVAILABLE, sent)
+            delivered = True  # not served, and already noted so (``_work``)
+            return
+        *leading, final = dialect.events(dialect.reply(outcome, body, head), body, opened)
+        for event in leading:
+            yield event
+        if not await client_gone(request):
+            yield final
+            delivered = True
+    finally:
+        if not delivered:
+            _abandon(work, state.metrics)
