@@ -2,10 +2,13 @@
 
 Anything a client sends gets a clear 4xx (or a retryable 503 when the server is merely
 busy), never a 500 or a memory blow-up. ``BodyLimit`` reads each request body before the
-app sees it: beyond ``max_body_bytes`` it answers 413; when the bodies of all requests in
-flight would pass ``max_inflight_bytes`` it answers 503, because parsing turns every body
+app sees it: beyond ``max_body_bytes`` it answers 413; when the bodies being read and
+parsed would pass ``max_inflight_bytes`` it answers 503, because parsing turns every body
 byte into several bytes of Python objects; a body that has not arrived after
-``body_timeout_s`` is cut with a 408. ``parse_json_object`` then refuses what the stdlib
+``body_timeout_s`` is cut with a 408. A body counts until the app has translated it and
+calls ``release_body`` (``RELEASE_KEY`` in the scope), not while the call waits on the
+engine: by then what the call holds is the request it sent, about the body's size, and
+the engine, not this guard, decides how many calls wait at once. ``parse_json_object`` then refuses what the stdlib
 parser accepts but nothing downstream can use: nesting beyond ``MAX_JSON_DEPTH`` and lone
 surrogates (which cannot be encoded to send upstream).
 """
@@ -21,6 +24,7 @@ from api import jsonbytes
 from api.types import ASGIApp, Message, Receive, Scope, Send
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
+RELEASE_KEY = "tokcap.release_body"
 MAX_JSON_DEPTH = 128
 RETRY_HEADERS = {"retry-after": "1", "x-should-retry": "true"}
 # Only a \u escape can produce a surrogate (raw surrogate bytes are invalid UTF-8).
@@ -73,6 +77,12 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         held = [0]  # bytes of this request counted in inflight_bytes
+
+        def release() -> None:
+            self.inflight_bytes -= held[0]
+            held[0] = 0
+
+        scope = {**scope, RELEASE_KEY: release}
         try:
             try:
                 async with asyncio.timeout(self.body_timeout_s):
@@ -83,12 +93,14 @@ class BodyLimit:
                 ) from None
             if body is None:
                 return  # the client went away before sending its body: nobody to answer
-            await self.app(scope, _replay(body, receive), send)
+            replay = _replay(body, receive)
+            del body  # the replay hands it over once, and nothing here keeps it after
+            await self.app(scope, replay, send)
         except _Refused as refused:
             headers = RETRY_HEADERS if refused.status == 503 else None
             await send_error(send, refused.status, refused.kind, refused.message, headers)
         finally:
-            self.inflight_bytes -= held[0]
+            release()
 
     def _hold(self, held: list[int], size: int) -> None:
         if size > self.max_bytes:
@@ -125,14 +137,12 @@ class BodyLimit:
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
-    replayed = False
+    held: list[bytes] = [body]  # handed over once, then let go: the call may wait long
 
     async def replay() -> Message:
-        nonlocal replayed
-        if replayed:
+        if not held:
             return await receive()  # after the body: disconnect notices come from here
-        replayed = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.request", "body": held.pop(), "more_body": False}
 
     return replay
 
@@ -170,3 +180,24 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
     _check_shape(body, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
+
+
+def release_body(scope: Scope) -> None:
+    """The app has translated the body: it no longer counts as in flight (see above)."""
+    release = scope.get(RELEASE_KEY)
+    if callable(release):
+        release()
+
+
+async def take_body(request: Any) -> bytes:
+    """The request body, read off the channel without the copy ``Request.body()`` keeps for
+    the request's whole life (a call may wait minutes on the engine)."""
+    chunks = []
+    while True:
+        message = await request.receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)

@@ -30,7 +30,7 @@ from api.dialects.common import RequestError
 from api.generation import Generation, UpstreamError
 from api.hangup import client_gone
 from api.jsonbytes import JSONBytesResponse
-from api.limits import RETRY_HEADERS, parse_json_object
+from api.limits import RETRY_HEADERS, parse_json_object, release_body, take_body
 from api.metrics import FrontEndMetrics
 from api.prompts.faithful import FaithfulPrompts, Prompt
 from api.traits import request_traits, with_traits
@@ -47,6 +47,19 @@ from capture.context import (
 # nginx's status for a request whose client closed the connection first; nobody reads it.
 CLIENT_CLOSED_REQUEST = 499
 BAD_REQUEST_ERRORS = (RequestError, TypeError, ValueError, KeyError, AttributeError, RecursionError)
+# What the dialects' replies and streams read of a request body (never its history).
+REPLY_FIELDS = (
+    "model",
+    "stream",
+    "stream_options",
+    "stop_sequences",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "max_output_tokens",
+)
 UNAVAILABLE = (
     "the token capture store could not record this call in time; the reply was withheld "
     "so the rollout stays exact: retry the request"
@@ -104,14 +117,18 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     state = request.app.state
     metrics: FrontEndMetrics = state.metrics
     try:
-        body = parse_json_object(await request.body())
-        chat_request = dialect.to_chat(body)
-        traits = request_traits(body, chat_request)
+        full_body = parse_json_object(await take_body(request))
+        chat_request = dialect.to_chat(full_body)
+        traits = request_traits(full_body, chat_request)
         prompt = await _faithful_prompt(state, chat_request)
     except BAD_REQUEST_ERRORS as exc:
         metrics.record_call(dialect.name, "bad_request")
         message = str(exc) if not isinstance(exc, RecursionError) else "request nested too deeply"
         return JSONResponse(dialect.error_body(400, message), status_code=400)
+    # The reply reads a few fields of the body; the history it carried is not kept.
+    body = {key: full_body[key] for key in REPLY_FIELDS if key in full_body}
+    del full_body
+    release_body(request.scope)  # translated: what waits now is the upstream request
     head = dialect.reply_head(body)
     headers = {"x-tokcap-prompt": prompt.how} if prompt is not None else {}
     work = CallWork(current_call())

@@ -413,7 +413,7 @@ def run_builder(
     delivered = graph.generated[main_leaf] if main_leaf is not None else 0
     return BuildResult(
         rollout_id=rollout_id,
-        n_calls=len(entries),
+        n_calls=len(entries) - len(identical),  # a resend that sampled the same is one call
         parents={
             ids[position]: (ids[parent] if parent is not None else None)
             for position, parent in enumerate(graph.parents)
@@ -427,7 +427,9 @@ def run_builder(
         unreceived=unreceived,
         discarded_retries=tuple(sorted(ids[position] for position in discarded)),
         unresolved_retries=tuple(sorted(unresolved)),
-        generated_tokens_captured=sum(len(e.generation_token_ids) for e in entries),
+        generated_tokens_captured=sum(
+            len(e.generation_token_ids) for e in entries if e.model_call_id not in identical
+        ),
         generated_tokens_delivered=delivered + sum(s.generated_tokens for s in segments),
         mask_reasons=tuple(
             _mask_reasons(graph, len(entries), unmatched, unresolved, main_path)

@@ -440,6 +440,9 @@ def test_a_retry_that_sampled_exactly_the_same_is_one_call_not_an_ambiguity():
     assert build.quarantined == () and not build.masked
     assert build.main_chain == ("c000", "c001", "c002")
     assert len(build.chains) == 1
+    # Counted once in every metric: the resend's tokens are not captured-but-undelivered.
+    assert build.n_calls == 3 and build.delivered_fraction == 1.0
+    assert build.generated_tokens_captured == sum(len(c.generation_token_ids) for c in calls) + 2
 
 
 def test_a_retry_of_the_final_call_is_resolved_by_the_final_answer():

@@ -369,3 +369,26 @@ def test_claude_code_on_qwen3_is_one_chain_with_faithful_prompts(
         if not result.get("mask_sample"):
             delivered = [item["generation_token_ids"] for item in token_items(result)]
             assert delivered == [call["token_ids"] for call in truth[-len(delivered) :]]
+
+
+def test_a_call_slower_than_the_clis_timeouts_completes_without_a_resend(
+    claude_cli: Path, netns: None, redis_socket: str, worker: subprocess.Popen, tmp_path: Path
+) -> None:
+    """Each call takes 14 s at the engine; the CLI gives up on a response not begun within
+    8 s (API_TIMEOUT_MS) and on a stream silent for 10 s (its byte idle watchdog's floor).
+    The front end opens the stream after 2 s and pings every 2 s: the session completes,
+    each call sampled once (no resend), delivered exactly."""
+    summary, _record, result = run_rollout(
+        claude_cli,
+        redis_socket,
+        tmp_path,
+        nonessential_traffic=False,
+        engine_args=("--first-token-s", "14"),
+        frontend_env={"TOKCAP_KEEPALIVE_S": "2"},
+        env_extra={"API_TIMEOUT_MS": "8000", "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000"},
+    )
+    truth = sampled(summary)
+    assert len(truth) == 2, "each of the loop's two calls sampled once: nothing was resent"
+    assert result.get("mask_sample") is False, result["_ng_token_capture"]
+    assert result["_ng_token_capture"]["delivered_fraction"] == 1.0
+    assert_delivers_agent_loop(result, truth)
