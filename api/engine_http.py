@@ -11,6 +11,8 @@ directly, never through a proxy from the environment.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import aiohttp
 from yarl import URL
@@ -74,6 +76,21 @@ class EngineHTTP:
         session = self._open()
         async with session.post(self._url(path), data=content, headers=JSON_HEADERS) as reply:
             return reply.status, await reply.read()
+
+    @asynccontextmanager
+    async def stream(self, path: str, content: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One POST whose reply is read as it arrives (``reply.content``, line by line).
+
+        Leaving the block before the reply ended closes the connection: that is how an
+        engine is told to abort the request (vLLM and SGLang both listen for it).
+        """
+        session = self._open()
+        async with session.post(self._url(path), data=content, headers=JSON_HEADERS) as reply:
+            try:
+                yield reply
+            except BaseException:
+                reply.close()  # never back to the pool half-read: the engine sees it go
+                raise
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """(status, body) of a start-up question, under its short timeout."""

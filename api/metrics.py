@@ -42,7 +42,15 @@ LATENCY_BUCKETS = (
 )
 
 # Outcomes of one model call, as counted in tokcap_calls_total.
-OUTCOMES = ("captured", "incomplete", "unrecorded", "uncaptured", "upstream_error", "bad_request")
+OUTCOMES = (
+    "captured",
+    "incomplete",
+    "unrecorded",
+    "uncaptured",
+    "upstream_error",
+    "bad_request",
+    "abandoned",
+)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -185,6 +186,27 @@ def serve(config: Any) -> int:
     return 0
 
 
+# Each call in flight holds two sockets: the harness's connection and the engine's; a
+# worker needs a few dozen more for its store, its logs and its listening socket.
+SOCKETS_PER_CALL, SPARE_FILES = 2, 64
+
+
+def open_file_room() -> str:
+    """Raise the open-file limit to its hard limit (the workers inherit it) and say how
+    many calls in flight it allows per worker; a low limit is warned about, not refused."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    calls = max(0, (soft - SPARE_FILES) // SOCKETS_PER_CALL)
+    room = f"open files: {soft} per worker, about {calls} calls in flight"
+    if calls < 1000:
+        room += " (raise the hard limit, ulimit -Hn, for more)"
+    return room
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -201,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     engine = report.banner() if report is not None else f"upstream {where(settings.upstream)}"
     print(
         f"tokcap serve: http://{args.host}:{args.port} -> {engine} "
-        f"(capture {capture}, {args.workers} worker(s))",
+        f"(capture {capture}, {args.workers} worker(s); {open_file_room()})",
         file=sys.stderr,
     )
     for warning in report.warnings if report is not None else ():

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from api import sse
 from api.capture_step import capture
 from api.dialects.common import RequestError
+from api.engines.vllm_stream import Delta
 from api.generation import Generation, UpstreamError
 from api.hangup import client_gone
 from api.jsonbytes import JSONBytesResponse
@@ -79,6 +80,7 @@ class Dialect:
     stream_error: Callable[..., bytes]
     keepalive: bytes
     error_body: Callable[[int, str], dict[str, Any]]
+    relay: Callable[..., Any] | None  # events of each delta as it comes; None: not relayed
 
     @classmethod
     def of(cls, module: Any) -> Dialect:
@@ -92,6 +94,7 @@ class Dialect:
             module.stream_error,
             module.KEEPALIVE,
             module.error_body,
+            module.Relay,
         )
 
 
@@ -105,10 +108,13 @@ class Failed:
 
 @dataclass
 class CallWork:
-    """The call's work as a task, and whether it is still waiting on the engine."""
+    """The call's work as a task, whether it is still waiting on the engine, and (relayed)
+    the deltas the engine sampled so far, set ``started`` by the first of them."""
 
     call: CallCapture | None
+    deltas: asyncio.Queue[Delta] | None = None
     generating: bool = True
+    started: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[CapturedCall | Failed] = field(init=False)
 
 
@@ -131,14 +137,16 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     release_body(request.scope)  # translated: what waits now is the upstream request
     head = dialect.reply_head(body)
     headers = {"x-tokcap-prompt": prompt.how} if prompt is not None else {}
-    work = CallWork(current_call())
-    work.task = asyncio.ensure_future(_work(work, state, dialect, chat_request, traits, prompt))
     streamed = body.get("stream") is True
+    relayed = streamed and await _relayed(state, dialect, prompt)
+    work = CallWork(current_call(), asyncio.Queue() if relayed else None)
+    work.task = asyncio.ensure_future(_work(work, state, dialect, chat_request, traits, prompt))
     settled = await _settle(work, request, state.settings.keepalive_s if streamed else None)
     if settled == "gone":
         _abandon(work, metrics)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    opened = settled == "waiting"  # a stream not done in time opens and is kept alive
+    # A stream opens at its first delta, or when not done in time (then kept alive).
+    opened = settled in ("started", "waiting")
     outcome = None if opened else work.task.result()
     if isinstance(outcome, Failed):
         return JSONResponse(dialect.error_body(outcome.status, outcome.message), outcome.status)
@@ -169,9 +177,29 @@ async def _faithful_prompt(state: Any, chat_request: dict[str, Any]) -> Prompt |
     return prompt
 
 
-async def _generate(state: Any, chat_request: dict[str, Any], prompt: Prompt | None) -> Generation:
-    """One sampled reply: the engine renders the chat request (text mode), or continues the
-    prompt's ids token-in and the reply is read from the sampled ids (faithful mode)."""
+async def _relayed(state: Any, dialect: Dialect, prompt: Prompt | None) -> bool:
+    """Whether a streamed call is relayed as the engine samples it: text prompts (faithful
+    replies are parsed from the whole sampled ids), a dialect that relays, an engine whose
+    stream carries every id (``UpstreamClient.can_relay``)."""
+    return prompt is None and dialect.relay is not None and await state.upstream.can_relay()
+
+
+async def _generate(
+    state: Any, chat_request: dict[str, Any], prompt: Prompt | None, work: CallWork
+) -> Generation:
+    """One sampled reply: the engine renders the chat request (text mode; relayed, each
+    delta queued for the stream as it arrives), or continues the prompt's ids token-in and
+    the reply is read from the sampled ids (faithful mode)."""
+    if work.deltas is not None:
+        generation = None
+        async for piece in state.upstream.chat_relay(chat_request):
+            if isinstance(piece, Delta):
+                work.deltas.put_nowait(piece)
+                work.started.set()
+            else:
+                generation = piece
+        assert generation is not None, "a relayed call ends with its generation"
+        return generation
     if prompt is None:
         return await state.upstream.chat(chat_request)
     generation = await state.upstream.complete_ids(
@@ -209,7 +237,7 @@ async def _work(
     started = time.perf_counter()
     try:
         with state.collisions.watching(work.call, traits):
-            generation = with_traits(await _generate(state, chat_request, prompt), traits)
+            generation = with_traits(await _generate(state, chat_request, prompt, work), traits)
     except asyncio.CancelledError:  # the harness hung up: nothing reached it
         await _resolve_intent(intent)
         metrics.record_call(dialect.name, "abandoned")
@@ -245,18 +273,51 @@ async def _disconnect(request: Request) -> None:
 
 
 async def _settle(work: CallWork, request: Request, timeout: float | None) -> str:
-    """Wait for the work: "done", "gone" (the harness hung up first) or "waiting" (still
-    running after ``timeout``)."""
+    """Wait for the work: "done", "gone" (the harness hung up first), "started" (its first
+    delta came) or "waiting" (still running after ``timeout``)."""
     gone = asyncio.ensure_future(_disconnect(request))
+    started = asyncio.ensure_future(work.started.wait())
     try:
         finished, _ = await asyncio.wait(
-            {work.task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            {work.task, gone, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
         gone.cancel()
+        started.cancel()
     if gone in finished:
         return "gone"
-    return "done" if work.task in finished else "waiting"
+    if work.task in finished:
+        return "done"
+    return "started" if started in finished else "waiting"
+
+
+async def _while_running(
+    work: CallWork, relay: Any, keepalive: bytes, settings: Any
+) -> AsyncIterator[bytes]:
+    """While the call runs: each delta's events as it comes (relayed), else a keep-alive
+    whenever ``keepalive_s`` passes with nothing sent."""
+    deltas = work.deltas
+    while True:
+        if relay is not None and deltas is not None and not deltas.empty():
+            for event in relay.delta(deltas.get_nowait()):
+                yield event
+            continue
+        if work.task.done():
+            return
+        waiting = {work.task}
+        arrival = asyncio.ensure_future(work.started.wait()) if relay is not None else None
+        if arrival is not None:
+            work.started.clear()  # set again by the next delta
+            waiting.add(arrival)
+        try:
+            finished, _ = await asyncio.wait(
+                waiting, timeout=settings.keepalive_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            if arrival is not None:
+                arrival.cancel()
+        if not finished:
+            yield keepalive
 
 
 def _abandon(work: CallWork, metrics: FrontEndMetrics) -> None:
@@ -298,14 +359,14 @@ async def _stream(
     """
     sent = 0
     delivered = False
+    relay = dialect.relay(head, body) if opened and work.deltas is not None else None
     try:
         for event in dialect.opening(head, body) if opened else ():
             yield event
             sent += 1
-        while not work.task.done():
-            finished, _ = await asyncio.wait({work.task}, timeout=state.settings.keepalive_s)
-            if not finished:
-                yield dialect.keepalive
+        async for event in _while_running(work, relay, dialect.keepalive, state.settings):
+            yield event
+            sent += 1
         outcome = work.task.result()
         if isinstance(outcome, Failed):
             yield dialect.stream_error(head, body, outcome.status, outcome.message, sent)
@@ -315,7 +376,8 @@ async def _stream(
             yield dialect.stream_error(head, body, 503, UNAVAILABLE, sent)
             delivered = True  # not served, and already noted so (``_work``)
             return
-        *leading, final = dialect.events(dialect.reply(outcome, body, head), body, opened)
+        reply = dialect.reply(outcome, body, head)
+        *leading, final = relay.close(reply) if relay else dialect.events(reply, body, opened)
         for event in leading:
             yield event
         if not await client_gone(request):

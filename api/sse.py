@@ -1,9 +1,8 @@
 """Server-sent events: the framing every dialect's stream uses.
 
-The upstream is called without streaming so the ids can be captured whole; each dialect
-(``stream`` in its module) then replays the finished reply as the events its SDK expects.
-The capture put has completed before the first event is produced, so it has certainly
-completed before the final one.
+Each dialect builds its events with it: relayed as the engine samples (``Relay`` in its
+module), or replayed from the finished reply (``events``); ``api.serving`` decides which,
+sends the keep-alive, and sends the final event only once the call's entry is durable.
 """
 
 from __future__ import annotations

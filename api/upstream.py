@@ -21,13 +21,22 @@ import asyncio
 import base64
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from api import jsonbytes
 from api.engine_http import TRANSPORT_ERRORS, EngineHTTP
 from api.engines import ADAPTERS, family_of_models
+from api.engines.vllm_stream import (
+    RELAY_SINCE,
+    STREAM_PARAMS,
+    Delta,
+    StreamedChat,
+    finished,
+    sse_data,
+)
 from api.generation import Generation, UpstreamError, prompt_check, with_changes
 
 log = logging.getLogger(__name__)
@@ -86,6 +95,19 @@ def _model_cards(body: Any) -> list[dict[str, Any]]:
     return [item for item in data if isinstance(item, Mapping) and item.get("id")]
 
 
+def _chunk(data: str) -> Any:
+    """One stream chunk; an error object the engine sent mid-stream ends the call (502)."""
+    try:
+        chunk = jsonbytes.loads(data)
+    except ValueError as exc:
+        raise UpstreamError(502, "upstream sent a stream chunk that is not JSON") from exc
+    if isinstance(chunk, Mapping) and chunk.get("error"):
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, Mapping) else error
+        raise UpstreamError(502, f"upstream stream failed: {message}")
+    return chunk
+
+
 def prompt_length_in(message: str) -> int | None:
     """The prompt length an engine's context-length error names, or None."""
     match = _PROMPT_LENGTH.search(message)
@@ -132,6 +154,7 @@ class UpstreamClient:
         self._served_model: str | None = None  # the upstream's first model, once asked
         self.max_model_len: int | None = None
         self._legacy: bool | None = None  # None: not asked yet (or the engine did not answer)
+        self._release: tuple[int, ...] | None = None  # a vLLM's release, once asked
         self._learn_lock = asyncio.Lock()
         self._learned = False
 
@@ -227,6 +250,7 @@ class UpstreamClient:
         if not status:
             return None
         version = body.get("version") if status < 400 and isinstance(body, Mapping) else None
+        self._release = ADAPTERS["vllm"].release_of(version)
         legacy = ADAPTERS["vllm"].predates_token_ids(version)
         if legacy:
             log.warning(
@@ -245,6 +269,75 @@ class UpstreamClient:
         """Whether the engine is a vLLM before 0.10.2 (asked once, at the first call)."""
         await self.learn()
         return bool(self._legacy)
+
+    async def can_relay(self) -> bool:
+        """Whether a streamed call can be relayed as the engine samples it: a vLLM whose
+        chat stream carries every chunk's ids (``api.engines.vllm_stream.RELAY_SINCE``)."""
+        await self.learn()
+        return self.engine == "vllm" and self._release is not None and self._release >= RELAY_SINCE
+
+    async def chat_relay(
+        self, chat_request: Mapping[str, Any]
+    ) -> AsyncIterator[Delta | Generation]:
+        """One streamed upstream call: what each chunk adds, as it arrives, then the whole
+        generation, checked as a non-streamed reply is (``vllm.read_chat``)."""
+        model = await self.model_name(chat_request.get("model"))
+        adapter = self.adapter
+        body, overridden = adapter.chat_body(chat_request, model, self.sampling_overrides)
+        body.update(STREAM_PARAMS)
+        if not body.get("tools"):
+            body.pop("tools", None)
+            body.pop("tool_choice", None)
+        clamp = self._clamped(body)
+        stream = StreamedChat()
+        async with self._opened_stream(adapter.CHAT_PATH, body) as (reply, retried):
+            clamp = retried or clamp
+            try:
+                async for line in reply.content:
+                    data = sse_data(line)
+                    if data is None:
+                        continue
+                    if data == "[DONE]":
+                        break
+                    delta = stream.add(_chunk(data))
+                    if delta:
+                        yield delta
+            except TRANSPORT_ERRORS as exc:
+                raise UpstreamError(
+                    502, f"upstream {self.where} stream broke off: {type(exc).__name__}"
+                ) from exc
+        generation = adapter.read_chat(stream.response(), overridden, vocab_size=self.vocab_size)
+        problem = finished(stream)
+        if problem is not None:
+            generation = with_changes(generation, ids_problem=problem)
+        yield with_changes(generation, max_tokens_clamp=clamp) if clamp else generation
+
+    @asynccontextmanager
+    async def _opened_stream(
+        self, path: str, body: dict[str, Any]
+    ) -> AsyncIterator[tuple[Any, tuple[int, int] | None]]:
+        """The engine's streamed reply, once it answered 200 (a context-length refusal is
+        retried once with the room it names, as for a whole call); (reply, the clamp)."""
+        clamp = None
+        for attempt in range(2):
+            try:
+                async with self._http.stream(path, jsonbytes.dumps(body)) as reply:
+                    if reply.status < 400:
+                        yield reply, clamp
+                        return
+                    content = await reply.read()
+            except TRANSPORT_ERRORS as exc:
+                raise UpstreamError(
+                    502, f"upstream {self.where} unreachable: {type(exc).__name__}"
+                ) from exc
+            error = UpstreamError(
+                reply.status if reply.status < 500 else 502,
+                f"upstream: {_error_message(reply.status, content)}",
+            )
+            if attempt:
+                raise error
+            asked, sent = self._retry_clamp(error, body)
+            clamp = (asked, sent)
 
     async def model_name(self, requested: Any) -> str:
         """The configured model, else the upstream's first, else what the harness named."""

@@ -7,7 +7,8 @@ sends its first chunk after the first and each later one after the second. A cli
 disconnects meanwhile aborts the request, as vLLM aborts one whose client left (its serving
 code listens for the disconnect); each abort is kept with the time since the request
 arrived, served at ``GET /tokcap/aborted`` beside the ground truth, so tests can check
-that a front end cancels what its harness abandoned.
+that a front end cancels what its harness abandoned; ``GET /tokcap/pace`` says how many
+requests it is waiting out now and the most at once (how many calls a front end let through).
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ class Pace:
     first_token_s: float = 0.0
     token_s: float = 0.0
     aborted: list[dict] = field(default_factory=list)
+    in_flight: int = 0  # paced requests being waited out now, and the most at once
+    most_in_flight: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def counts(self) -> dict[str, int]:
+        return {"in_flight": self.in_flight, "most_in_flight": self.most_in_flight}
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
     @property
     def paced(self) -> bool:
@@ -57,11 +67,13 @@ async def wait_whole(
     if not pace.paced or seconds <= 0:
         return True
     gone = asyncio.ensure_future(_disconnected(request))
+    pace._enter()
     try:
         await asyncio.wait_for(asyncio.shield(gone), seconds)
     except TimeoutError:
         return True
     finally:
+        pace.in_flight -= 1
         gone.cancel()
     pace.abort(request_id, arrived)
     return False
@@ -73,6 +85,7 @@ async def paced_lines(
     """The SSE lines of a stream, the first after ``first_token_s``, each later one after
     ``token_s``; a client that leaves cancels the stream, which is kept as an abort."""
     delay = pace.first_token_s
+    pace._enter()
     try:
         for line in lines:
             if delay > 0:
@@ -82,6 +95,8 @@ async def paced_lines(
     except (asyncio.CancelledError, GeneratorExit):
         pace.abort(request_id, arrived)
         raise
+    finally:
+        pace.in_flight -= 1
 
 
 # nginx's status for a request whose client closed the connection first; nobody reads it.

@@ -38,6 +38,11 @@ async def clear_ground_truth(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def pace_counts(request: Request) -> dict[str, int]:
+    """Paced requests in flight now, and the most at once since the engine started."""
+    return _engine(request).pace.counts()
+
+
 async def aborted(request: Request) -> list[dict]:
     """The requests whose client left while the paced engine was answering them."""
     return list(_engine(request).pace.aborted)
@@ -48,6 +53,7 @@ GROUND_TRUTH_ROUTES = (
     ("/tokcap/ground_truth", ground_truth, "GET"),
     ("/tokcap/ground_truth", clear_ground_truth, "DELETE"),
     ("/tokcap/aborted", aborted, "GET"),
+    ("/tokcap/pace", pace_counts, "GET"),
 )
 
 

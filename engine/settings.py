@@ -53,6 +53,9 @@ class EngineSettings:
     # tests compare captured log-probs with sampling at the harness's temperature.
     logprobs_mode: str = "processed_logprobs"
     generation_config: dict = field(default_factory=lambda: dict(DEFAULT_GENERATION))
+    # What GET /version names (vLLM wire, ids on): from 0.12 every stream chunk carries its
+    # ids, and a front end relays streams from it; an older one is told apart by this.
+    vllm_version: str = "0.12.0"
     # Paced like a real engine under load (``engine.pacing``): seconds to the first token,
     # then per token; 0 answers at once.
     first_token_s: float = 0.0

@@ -32,7 +32,9 @@ from .protocol import (
 )
 
 _STATUSES = {status.value for status in HTTPStatus}
-VLLM_VERSION = "0.10.2"  # the vLLM release whose OpenAI server shapes this engine follows
+# The reply shapes follow vLLM 0.10.2's; every stream chunk carries its ids (tool-call
+# pieces held back included), as from vLLM 0.12 on, which /version names by default
+# (``EngineSettings.vllm_version``).
 # What /version says while token_id_fields is off: a vLLM from before return_token_ids, so a
 # client reading the version (api.upstream) takes the engine for the old one it emulates.
 LEGACY_VLLM_VERSION = "0.10.1"
@@ -102,7 +104,7 @@ async def _scripted(_: Request, exc: ScriptedError) -> JSONResponse:
 
 async def version(request: Request) -> dict:
     fields = _engine(request).settings.token_id_fields
-    return {"version": VLLM_VERSION if fields else LEGACY_VLLM_VERSION}
+    return {"version": _engine(request).settings.vllm_version if fields else LEGACY_VLLM_VERSION}
 
 
 def _permission(created: int) -> dict:

@@ -353,10 +353,92 @@ def stream_error(
     return event("error", error_body(status, message))
 
 
+def _block_started(index: int, block: Mapping[str, Any]) -> bytes:
+    return event(
+        "content_block_start",
+        {"type": "content_block_start", "index": index, "content_block": block},
+    )
+
+
+def _block_delta_event(index: int, delta: Mapping[str, Any]) -> bytes:
+    return event(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )
+
+
+def _block_stopped(index: int) -> bytes:
+    return event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+def _ending(reply: Mapping[str, Any]) -> list[bytes]:
+    """``message_delta`` (with the input tokens, which an early ``message_start`` could not
+    know) and ``message_stop``: the final event."""
+    usage = reply["usage"]
+    stopped = {"stop_reason": reply["stop_reason"], "stop_sequence": reply["stop_sequence"]}
+    counts = {"input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"]}
+    return [
+        event("message_delta", {"type": "message_delta", "delta": stopped, "usage": counts}),
+        event("message_stop", {"type": "message_stop"}),
+    ]
+
+
+class Relay:
+    """A reply relayed as the engine samples it: each piece of reasoning, text or a tool
+    call's arguments as a delta of its content block, a block per kind in the order they
+    come; ``close`` ends the last block and the message once the call is captured."""
+
+    def __init__(self, head: Mapping[str, Any], body: Mapping[str, Any]) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def _switch(self, kind: str, block: Mapping[str, Any]) -> list[bytes]:
+        sent = [_block_stopped(self.index)] if self.kind is not None else []
+        self.index += 1
+        self.kind = kind
+        return [*sent, _block_started(self.index, block)]
+
+    def delta(self, delta: Any) -> list[bytes]:
+        sent: list[bytes] = []
+        if delta.reasoning:
+            if self.kind != "thinking":
+                sent += self._switch(
+                    "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                )
+            sent.append(
+                _block_delta_event(
+                    self.index, {"type": "thinking_delta", "thinking": delta.reasoning}
+                )
+            )
+        if delta.text:
+            if self.kind != "text":
+                sent += self._switch("text", {"type": "text", "text": ""})
+            sent.append(_block_delta_event(self.index, {"type": "text_delta", "text": delta.text}))
+        for piece in delta.tool_calls:
+            kind = f"tool_use {piece['index']}"
+            if self.kind != kind:
+                block = {
+                    "type": "tool_use",
+                    "id": piece["id"] or new_id("toolu_"),
+                    "name": piece["name"] or "",
+                    "input": {},
+                }
+                sent += self._switch(kind, block)
+            if piece["arguments"]:
+                json_delta = {"type": "input_json_delta", "partial_json": piece["arguments"]}
+                sent.append(_block_delta_event(self.index, json_delta))
+        return sent
+
+    def close(self, reply: Mapping[str, Any]) -> list[bytes]:
+        if self.kind is None:  # nothing was sampled to show: one empty text block, as a reply has
+            sent = [_block_started(0, {"type": "text", "text": ""}), _block_stopped(0)]
+        else:
+            sent = [_block_stopped(self.index)]
+        return [*sent, *_ending(reply)]
+
+
 def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> list[bytes]:
     """The reply's events: ``message_start`` (unless the stream ``opened`` already), one
-    start/delta/stop per content block, ``message_delta`` (with the input tokens, which an
-    early ``message_start`` could not know), ``message_stop``."""
+    start/delta/stop per content block, then ``_ending``."""
     sent: list[bytes] = []
     if not opened:
         start = copy.deepcopy(dict(reply))
@@ -364,44 +446,12 @@ def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> l
         start["usage"] = {**reply["usage"], "output_tokens": 0}
         sent.append(_message_start(start))
     for index, block in enumerate(reply["content"]):
-        sent.append(
-            event(
-                "content_block_start",
-                {
-                    "type": "content_block_start",
-                    "index": index,
-                    "content_block": _block_start(block),
-                },
-            )
-        )
+        sent.append(_block_started(index, _block_start(block)))
         delta = _block_delta(block)
         if delta is not None:
-            sent.append(
-                event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": index, "delta": delta},
-                )
-            )
-        sent.append(event("content_block_stop", {"type": "content_block_stop", "index": index}))
-    usage = reply["usage"]
-    sent.append(
-        event(
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {
-                    "stop_reason": reply["stop_reason"],
-                    "stop_sequence": reply["stop_sequence"],
-                },
-                "usage": {
-                    "input_tokens": usage["input_tokens"],
-                    "output_tokens": usage["output_tokens"],
-                },
-            },
-        )
-    )
-    sent.append(event("message_stop", {"type": "message_stop"}))
-    return sent
+            sent.append(_block_delta_event(index, delta))
+        sent.append(_block_stopped(index))
+    return [*sent, *_ending(reply)]
 
 
 def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:

@@ -196,12 +196,50 @@ def stream_error(
     return event(None, error_body(status, message))
 
 
+def _ending(reply: Mapping[str, Any], body: Mapping[str, Any]) -> list[bytes]:
+    """The finish chunk, the usage when asked, then [DONE]: the final event."""
+    head = {key: reply[key] for key in ("id", "created", "model")}
+    sent = [_chunk(head, body, {}, reply["choices"][0]["finish_reason"])]
+    if include_usage(body):
+        usage = {**head, "object": "chat.completion.chunk", "choices": [], "usage": reply["usage"]}
+        sent.append(event(None, usage))
+    sent.append(event(None, "[DONE]"))
+    return sent
+
+
+class Relay:
+    """A reply relayed as the engine samples it, one chunk per piece, as vLLM streams it;
+    ``close`` sends the finish once the call is captured."""
+
+    def __init__(self, head: Mapping[str, Any], body: Mapping[str, Any]) -> None:
+        self.head = head
+        self.body = body
+
+    def delta(self, delta: Any) -> list[bytes]:
+        sent = []
+        if delta.reasoning:
+            sent.append(_chunk(self.head, self.body, {"reasoning_content": delta.reasoning}))
+        if delta.text:
+            sent.append(_chunk(self.head, self.body, {"content": delta.text}))
+        for piece in delta.tool_calls:
+            call: dict[str, Any] = {"index": piece["index"]}
+            function: dict[str, Any] = {"arguments": piece["arguments"]}
+            if piece["id"] is not None:  # a call's first piece names it
+                call.update(id=piece["id"], type="function")
+                function["name"] = piece["name"] or ""
+            call["function"] = function
+            sent.append(_chunk(self.head, self.body, {"tool_calls": [call]}))
+        return sent
+
+    def close(self, reply: Mapping[str, Any]) -> list[bytes]:
+        return _ending(reply, self.body)
+
+
 def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> list[bytes]:
     """A role chunk (unless the stream ``opened`` already), reasoning, content, one chunk
-    per tool call, the finish, the usage when asked, then [DONE]."""
+    per tool call, then ``_ending``."""
     head = {key: reply[key] for key in ("id", "created", "model")}
-    choice = reply["choices"][0]
-    message = choice["message"]
+    message = reply["choices"][0]["message"]
     sent = [] if opened else opening(head, body)
     if message.get("reasoning_content"):
         sent.append(_chunk(head, body, {"reasoning_content": message["reasoning_content"]}))
@@ -209,17 +247,7 @@ def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> l
         sent.append(_chunk(head, body, {"content": message["content"]}))
     for index, call in enumerate(message.get("tool_calls") or []):
         sent.append(_chunk(head, body, {"tool_calls": [{"index": index, **call}]}))
-    sent.append(_chunk(head, body, {}, choice["finish_reason"]))
-    if include_usage(body):
-        usage_chunk = {
-            **head,
-            "object": "chat.completion.chunk",
-            "choices": [],
-            "usage": reply["usage"],
-        }
-        sent.append(event(None, usage_chunk))
-    sent.append(event(None, "[DONE]"))
-    return sent
+    return [*sent, *_ending(reply, body)]
 
 
 def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:

@@ -236,6 +236,9 @@ def _item_added(item: Mapping[str, Any]) -> dict[str, Any]:
 
 # An SSE comment: what a stream sends while nothing else is (SDKs skip comment lines).
 KEEPALIVE = b": keep-alive\n\n"
+# Not relayed as the engine samples: each event names its item by an id the capture makes
+# (``api.capture_step.output_items``); a stream here is kept alive, then sent whole.
+Relay = None
 _OPENING_EVENTS = 2  # response.created, response.in_progress
 
 

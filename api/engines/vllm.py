@@ -58,6 +58,12 @@ NO_PROMPT_IDS = (
 )
 
 
+def release_of(version: Any) -> tuple[int, ...] | None:
+    """The release numbers of a ``GET /version`` answer ("0.12.1rc2" -> (0, 12, 1))."""
+    match = _RELEASE.match(version) if isinstance(version, str) else None
+    return tuple(int(part or 0) for part in match.groups()) if match else None
+
+
 def predates_token_ids(version: Any) -> bool:
     """Whether a ``GET /version`` answer names a vLLM before 0.10.2 (no ``return_token_ids``).
 
@@ -65,11 +71,8 @@ def predates_token_ids(version: Any) -> bool:
     lacks the fields its calls are marked incomplete, never captured from ``/tokenize``. A
     version that cannot be read is modern for the same reason.
     """
-    match = _RELEASE.match(version) if isinstance(version, str) else None
-    if match is None:
-        return False
-    release = tuple(int(part or 0) for part in match.groups())
-    return release < TOKEN_IDS_SINCE
+    release = release_of(version)
+    return release is not None and release < TOKEN_IDS_SINCE
 
 
 def chat_body(

@@ -182,3 +182,15 @@ def test_an_embedding_process_can_install_the_sink(tmp_path: Path) -> None:
     finally:
         install_token_sink(previous)
     assert inspect(tmp_path / "installed", "installed-1")["calls"] == 1
+
+
+def test_serve_raises_the_open_file_limit_and_says_what_it_allows() -> None:
+    import resource
+
+    from api.serve_cli import SOCKETS_PER_CALL, SPARE_FILES, open_file_room
+
+    said = open_file_room()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard == resource.RLIM_INFINITY or soft == hard
+    assert said.startswith(f"open files: {soft} per worker, ")
+    assert f"about {(soft - SPARE_FILES) // SOCKETS_PER_CALL} calls in flight" in said

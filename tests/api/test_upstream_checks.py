@@ -363,7 +363,7 @@ def test_an_unreachable_engine_is_modern_until_it_answers() -> None:
 def test_the_tokcap_engine_reports_an_old_vllm_when_it_emulates_one() -> None:
     with engine_server(token_id_fields=False) as old, engine_server() as modern:
         assert httpx.get(old + "/version").json() == {"version": "0.10.1"}
-        assert httpx.get(modern + "/version").json() == {"version": "0.10.2"}
+        assert httpx.get(modern + "/version").json() == {"version": "0.12.0"}
         assert asyncio.run(_legacy_of(old))[0] is True
         assert asyncio.run(_legacy_of(modern))[0] is False
 

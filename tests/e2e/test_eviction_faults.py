@@ -120,7 +120,9 @@ async def test_noeviction_full_memory_fails_closed(
     )
     assert int(stats["evicted_keys"]) == 0
     assert_no_critical(outcome)
-    assert outcome.statuses.get(503, 0) > 0, "a full Redis refused writes: calls got 503"
+    # A full Redis refused writes: calls were answered with the overloaded error (a 503, or
+    # the error event of a stream relayed before the capture), and their loops gave up.
+    assert outcome.failed_loops > 0
 
 
 async def test_allkeys_lru_on_one_cluster_master(engine: Engine, redis_cluster_factory):

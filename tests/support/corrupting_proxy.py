@@ -8,7 +8,8 @@
         proxy.schedule = itertools.cycle(["nan_logprob", None])  # a mode per model call
 
 ``POST /v1/chat/completions`` is forwarded with httpx and its JSON reply rewritten by the
-current ``mode`` (one of ``MODES``); every other path (``/v1/models``, ``/version``,
+current ``mode`` (one of ``MODES``); a streamed reply is rewritten the same way once its
+chunks' ids and log-probs are moved onto its last token chunk (``_stream_view``); every other path (``/v1/models``, ``/version``,
 ``/tokenize``, ...) passes through untouched. ``delay_s`` (seconds, default 0) is slept before
 each model call is forwarded, for fault tests that need a call in flight. Both are plain
 attributes, read per request, so a test may change them between calls. Non-finite numbers
@@ -108,6 +109,32 @@ MODES: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
+def _stream_view(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A whole reply whose fields are the stream's own: its first chunk's prompt ids, and
+    the last token chunk's choice, onto which every chunk's ids and log-probs were moved
+    (a stream a tool parser held back to its end looks so too). ``MODES`` rewrite it."""
+    carrying = [c for c in chunks if c.get("choices") and "token_ids" in c["choices"][0]]
+    last = carrying[-1]["choices"][0]
+    ids, content = [], []
+    for chunk in carrying:
+        choice = chunk["choices"][0]
+        ids += choice.pop("token_ids") or []
+        content += (choice.pop("logprobs") or {}).get("content") or []
+    last.update(token_ids=ids, logprobs={"content": content})
+    view = {"choices": [last]}
+    if "prompt_token_ids" in chunks[0]:
+        view["prompt_token_ids"] = chunks[0]["prompt_token_ids"]
+    return view
+
+
+def _sse_chunks(text: str) -> list[dict[str, Any]]:
+    return [
+        json.loads(line[len("data: ") :])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
 class CorruptingProxy:
     """The proxy's app and its knobs; ``url`` is set once it is served."""
 
@@ -132,6 +159,16 @@ class CorruptingProxy:
             self.corrupted += 1
             self.applied[mode] += 1
         return data
+
+    def _corrupt_stream(self, text: str) -> bytes:
+        """A streamed reply rewritten as the current mode rewrites a whole one."""
+        chunks = _sse_chunks(text)
+        view = self.corrupt(_stream_view(chunks))
+        chunks[0].pop("prompt_token_ids", None)
+        if "prompt_token_ids" in view:
+            chunks[0]["prompt_token_ids"] = view["prompt_token_ids"]
+        lines = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
+        return ("".join(lines) + "data: [DONE]\n\n").encode()
 
     def interleave(self, clean_calls: int, modes: Iterable[str] = MODES) -> None:
         """From now on, each mode in turn on one call, then ``clean_calls`` calls untouched."""
@@ -161,9 +198,11 @@ class CorruptingProxy:
                 headers={"content-type": request.headers.get("content-type", "application/json")},
             )
             content = upstream.content
-            json_reply = upstream.headers.get("content-type", "").startswith("application/json")
-            if chat and upstream.status_code == 200 and json_reply:
+            kind = upstream.headers.get("content-type", "")
+            if chat and upstream.status_code == 200 and kind.startswith("application/json"):
                 content = json.dumps(self.corrupt(upstream.json())).encode()
+            elif chat and upstream.status_code == 200 and kind.startswith("text/event-stream"):
+                content = self._corrupt_stream(upstream.text)
             media_type = upstream.headers.get("content-type")
             return Response(content, status_code=upstream.status_code, media_type=media_type)
 

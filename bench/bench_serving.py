@@ -1,0 +1,247 @@
+"""Serving under load (issue 22): concurrent tool loops on a paced engine, direct and through
+tokcap, and the first streamed delta. A figure, never a test assertion.
+
+Run: ``.venv/bin/python -m bench.bench_serving --loops 400 1000 --call-s 4 --workers 1 2
+--stores file redis`` (from the repository root; the defaults are smaller).
+
+Each scenario starts a fresh tokcap engine paced like a loaded one (``--call-s`` to the
+first token, then nothing: one call takes that long) and runs N concurrent OpenAI-Chat tool
+loops of ``--turns`` calls from one process (aiohttp, no connection limit), first straight
+to the engine, then through ``tokcap serve`` (file store or a private Redis, 1 or 2
+workers) on the rollouts' capture paths. Printed per scenario: the wall time and calls/s,
+the ratio to direct in the same run, the most calls the engine had in flight at once (its
+``GET /tokcap/pace``), errors, and how many rollouts, rebuilt from the store, deliver
+exactly the ids the engine logged for every answered call.
+
+Then the first streamed delta: ``--stream-calls`` streamed chat calls one after another, on
+an engine with a time to the first token and a time per token, direct and relayed through
+tokcap: p50 of the time to the first content delta, and the largest gap between deltas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+from capture.delivery import finalize_rollout_token_capture
+from capture.filestore.store import TokenCaptureStore
+from tests.support.fault_loops import GroundTruth, write_script
+from tests.support.servers import free_port, run_process
+from tokcap.redis_server import RedisServer
+from transports.redis import RedisTokenStore
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "list_files",
+        "description": "List the files in a directory.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    },
+}
+FILE_CONFIG = "token_id_capture:\n  enabled: true\n  dir: {dir}\n  rebuild_response: false\n"
+REDIS_CONFIG = (
+    "token_id_capture:\n  enabled: true\n  sink: transports.redis:RedisTokenSink\n"
+    "  sink_kwargs: {{url: '{url}'}}\n  rebuild_response: false\n"
+)
+
+
+@contextlib.contextmanager
+def engine(tmp: Path, first_s: float, token_s: float = 0.0) -> Iterator[tuple[str, Path]]:
+    port, truth = free_port(), tmp / f"truth-{time.monotonic_ns()}.jsonl"
+    args = [sys.executable, "-m", "engine.cli", "--port", str(port), "--log-level", "warning"]
+    args += ["--script", write_script(tmp / "script.yaml"), "--ground-truth", str(truth)]
+    args += ["--first-token-s", str(first_s), "--token-s", str(token_s)]
+    url = f"http://127.0.0.1:{port}"
+    with run_process(args, ready_url=url + "/health"):
+        yield url, truth
+
+
+@contextlib.contextmanager
+def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tuple[str, Any]]:
+    """``tokcap serve`` on ``store``; yields its URL and a factory of the store's source."""
+    with contextlib.ExitStack() as stack:
+        if store == "redis":
+            server = RedisServer(tmp / f"redis-{time.monotonic_ns()}").start()
+            stack.callback(server.stop)
+            config = REDIS_CONFIG.format(url=server.url)
+            source = lambda: RedisTokenStore(url=server.url)  # noqa: E731
+        else:
+            captures = tmp / f"captures-{time.monotonic_ns()}"
+            config = FILE_CONFIG.format(dir=captures)
+            source = lambda: TokenCaptureStore(captures)  # noqa: E731
+        path = tmp / "serve.yaml"
+        path.write_text(config)
+        port = free_port()
+        args = [sys.executable, "-m", "api.serve_cli", "--config", str(path), "--port", str(port)]
+        args += ["--upstream", upstream, "--workers", str(workers), "--log-level", "warning"]
+        url = f"http://127.0.0.1:{port}"
+        stack.enter_context(run_process(args, ready_url=url + "/health", timeout=120))
+        yield url, source
+
+
+async def tool_loop(
+    http: aiohttp.ClientSession, url: str, rollout: str, turns: int
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One rollout's loop: its replies in order, and the error that ended it, if any."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"Rollout {rollout}: list."}]
+    replies: list[dict[str, Any]] = []
+    try:
+        for turn in range(turns):
+            body = {
+                "model": "tokcap-engine",
+                "messages": messages,
+                "tools": [TOOL],
+                "tool_choice": "none" if turn == turns - 1 else "auto",
+                "max_tokens": 200,
+            }
+            async with http.post(url, json=body) as response:
+                if response.status != 200:
+                    return replies, f"{response.status} {(await response.text())[:200]}"
+                message = (await response.json())["choices"][0]["message"]
+            replies.append(message)
+            messages.append({k: v for k, v in message.items() if v is not None})
+            for call in message.get("tool_calls") or []:
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "a.txt"})
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return replies, f"{type(exc).__name__}: {exc}"
+    return replies, None
+
+
+async def run_loops(url_of: Any, loops: int, turns: int) -> tuple[float, list[Any]]:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        started = time.monotonic()
+        done = await asyncio.gather(
+            *(tool_loop(http, url_of(f"bench-{n}"), f"bench-{n}", turns) for n in range(loops))
+        )
+        return time.monotonic() - started, list(done)
+
+
+async def exact_rollouts(source: Any, done: list[Any], truth: GroundTruth) -> int:
+    """Rollouts whose rebuilt record delivers, unmasked, every answered call as sampled."""
+    exact = 0
+    store = source()
+    try:
+        for n, (replies, _) in enumerate(done):
+            last = replies[-1] if replies else {}
+            record = {
+                "_ng_rollout_id": f"bench-{n}",
+                "response": {"output": [{**last, "role": "assistant"}] if last else []},
+            }
+            await finalize_rollout_token_capture(record, store)
+            carriers = [i for i in record["response"]["output"] if "generation_token_ids" in i]
+            sampled = all(truth.sampled(c) for c in carriers)
+            if not record.get("mask_sample") and len(carriers) == len(replies) and sampled:
+                exact += 1
+    finally:
+        await store.close()
+    return exact
+
+
+def pace(engine_url: str) -> dict[str, int]:
+    return httpx.get(engine_url + "/tokcap/pace", timeout=30).json()
+
+
+def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, workers: int) -> None:
+    calls = loops * args.turns
+    with engine(tmp, args.call_s) as (engine_url, _):
+        direct_s, direct = asyncio.run(
+            run_loops(lambda _: engine_url + "/v1/chat/completions", loops, args.turns)
+        )
+        direct_most = pace(engine_url)["most_in_flight"]
+    with engine(tmp, args.call_s) as (engine_url, truth_path):
+        with front_end(tmp, engine_url, store, workers) as (front, source):
+            captured = lambda rollout: (  # noqa: E731
+                f"{front}/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
+            )
+            tokcap_s, through = asyncio.run(run_loops(captured, loops, args.turns))
+            most = pace(engine_url)["most_in_flight"]
+            exact = asyncio.run(exact_rollouts(source, through, GroundTruth(truth_path)))
+    errors = sum(error is not None for _, error in through)
+    print(
+        f"{store:5} x{workers} {loops:5} loops | direct {direct_s:6.1f} s "
+        f"({calls / direct_s:6.1f} calls/s, {direct_most} at once) | tokcap {tokcap_s:6.1f} s "
+        f"({calls / tokcap_s:6.1f} calls/s, {most} at once) | throughput x"
+        f"{direct_s / tokcap_s:.2f} | {errors} errors | {exact}/{loops} exact",
+        flush=True,
+    )
+
+
+async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
+    """Per call: seconds to the first content delta, and the largest gap between deltas."""
+    firsts, gaps = [], []
+    body = {"model": "tokcap-engine", "messages": [{"role": "user", "content": "hello"}]}
+    body.update(stream=True, max_tokens=200)
+    async with aiohttp.ClientSession() as http:
+        for _ in range(calls):
+            started = time.monotonic()
+            arrivals = []
+            async with http.post(url, json=body) as response:
+                async for line in response.content:
+                    text = line.decode().strip()
+                    if not text.startswith("data: {"):
+                        continue
+                    delta = (json.loads(text[6:]).get("choices") or [{}])[0].get("delta") or {}
+                    if delta.get("content") or delta.get("reasoning_content"):
+                        arrivals.append(time.monotonic() - started)
+            firsts.append(arrivals[0])
+            steps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+            gaps.append(max(steps, default=0.0))
+    return firsts, gaps
+
+
+def latency(args: argparse.Namespace, tmp: Path) -> None:
+    with engine(tmp, args.first_token_s, args.token_s) as (engine_url, _):
+        with front_end(tmp, engine_url, "file", 1) as (front, _):
+            path = "/v1/chat/completions"
+            relayed = f"{front}/ng-rollout/first-delta/training-token-capture{path}"
+            direct = asyncio.run(first_deltas(engine_url + path, args.stream_calls))
+            through = asyncio.run(first_deltas(relayed, args.stream_calls))
+    for name, (firsts, gaps) in (("direct", direct), ("tokcap", through)):
+        print(
+            f"first delta {name:6}: p50 {statistics.median(firsts) * 1000:7.1f} ms, "
+            f"largest gap between deltas p50 {statistics.median(gaps) * 1000:6.1f} ms "
+            f"(engine: {args.first_token_s * 1000:.0f} ms to the first token, "
+            f"{args.token_s * 1000:.0f} ms a token)"
+        )
+    added = statistics.median(through[0]) - statistics.median(direct[0])
+    print(f"first delta through tokcap: direct + {added * 1000:.1f} ms (p50)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loops", type=int, nargs="+", default=[100])
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--call-s", type=float, default=4.0)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1])
+    parser.add_argument("--stores", nargs="+", default=["file"], choices=["file", "redis"])
+    parser.add_argument("--stream-calls", type=int, default=20)
+    parser.add_argument("--first-token-s", type=float, default=0.5)
+    parser.add_argument("--token-s", type=float, default=0.05)
+    parser.add_argument("--skip-load", action="store_true", help="only the first-delta figures")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tokcap-bench-serving-") as tmp:
+        if not args.skip_load:
+            for store in args.stores:
+                for workers in args.workers:
+                    for loops in args.loops:
+                        scenario(args, Path(tmp), loops, store, workers)
+        latency(args, Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

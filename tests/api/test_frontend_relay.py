@@ -1,0 +1,151 @@
+"""Streamed replies relayed as the engine samples them (issue 22), against a paced engine.
+
+The engine (vLLM wire, 0.12: every stream chunk carries its ids) takes ``FIRST_S`` to its
+first token and ``TOKEN_S`` per token after it. Through the front end, a streamed harness
+gets its first delta about when the engine sends it, not after the whole generation, and
+then the deltas one by one; the final event comes after the entry is durable, and the
+captured ids are exactly the engine's. An engine that names an older vLLM, and the
+Responses dialect, are not relayed: kept alive, then sent whole.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from capture.filestore.store import TokenCaptureStore
+from tests.api.test_frontend_hangup import metric, send_and_hang_up, settings, wait_for
+from tests.support.frontend import engine_server, front_end, inspect, run
+
+FIRST_S, TOKEN_S = 0.4, 0.05
+# The default script answers "hello" with a few dozen tokens: about 2 s of generation.
+ASK = [{"role": "user", "content": "hello"}]
+
+
+def paced(**extra: Any) -> Any:
+    return engine_server(first_token_s=FIRST_S, token_s=TOKEN_S, **extra)
+
+
+def base(front: str, rollout: str) -> str:
+    return f"{front}/ng-rollout/{rollout}/training-token-capture"
+
+
+async def _entries(store_dir: Path, rollout: str) -> list[Any]:
+    store = TokenCaptureStore(store_dir)
+    try:
+        return await store.peek(rollout)
+    finally:
+        await store.close()
+
+
+def ground_truth(engine: str) -> list[dict[str, Any]]:
+    return httpx.get(engine + "/tokcap/ground_truth", timeout=30).json()
+
+
+def test_anthropic_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> None:
+    with paced() as engine, front_end(settings(engine, tmp_path, keepalive_s=5.0)) as front:
+        client = anthropic.Anthropic(base_url=base(front, "relay-a"), api_key="x", max_retries=0)
+        started = time.monotonic()
+        arrivals: list[float] = []
+        with client.messages.stream(model="m", max_tokens=300, messages=ASK) as events:
+            for event in events:
+                if event.type == "content_block_delta":
+                    arrivals.append(time.monotonic() - started)
+            message = events.get_final_message()
+        total = time.monotonic() - started
+        (truth,) = ground_truth(engine)
+    generated = len(truth["token_ids"])
+    assert total >= FIRST_S + TOKEN_S * (generated - 1) * 0.8, "the engine was paced"
+    assert arrivals[0] < FIRST_S + 0.5, f"first delta at {arrivals[0]:.2f} s of {total:.2f} s"
+    assert len(arrivals) >= generated // 2, "deltas one by one, not one at the end"
+    assert message.stop_reason == "end_turn"
+    (entry,) = run(_entries(tmp_path, "relay-a"))
+    assert entry.generation_token_ids == truth["token_ids"]
+    assert list(entry.prompt_token_ids) == truth["prompt_token_ids"]
+    assert entry.generation_log_probs == pytest.approx(truth["logprobs"])
+
+
+def test_chat_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> None:
+    with paced() as engine, front_end(settings(engine, tmp_path)) as front:
+        client = openai.OpenAI(base_url=base(front, "relay-c") + "/v1", api_key="x", max_retries=0)
+        started = time.monotonic()
+        arrivals, text = [], []
+        for chunk in client.chat.completions.create(
+            model="m", messages=ASK, max_tokens=300, stream=True
+        ):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None and (delta.content or getattr(delta, "reasoning_content", None)):
+                arrivals.append(time.monotonic() - started)
+                text.append(delta.content or "")
+        total = time.monotonic() - started
+        (truth,) = ground_truth(engine)
+    assert arrivals[0] < FIRST_S + 0.5 < total
+    assert len(arrivals) > 3
+    (entry,) = run(_entries(tmp_path, "relay-c"))
+    assert entry.generation_token_ids == truth["token_ids"]
+    assert "".join(text) == (truth.get("content") or "")
+
+
+def test_keep_alive_until_the_first_delta_then_the_deltas(tmp_path: Path) -> None:
+    with (
+        engine_server(first_token_s=1.5, token_s=0.02) as engine,
+        front_end(settings(engine, tmp_path, keepalive_s=0.3)) as front,
+        httpx.stream(
+            "POST",
+            base(front, "relay-k") + "/v1/messages",
+            json={"model": "m", "max_tokens": 300, "messages": ASK, "stream": True},
+            timeout=30,
+        ) as response,
+    ):
+        names = [
+            line[len("event: ") :] for line in response.iter_lines() if line.startswith("event: ")
+        ]
+    first_delta = names.index("content_block_delta")
+    assert names[0] == "message_start" and names[:first_delta].count("ping") >= 3
+    assert names[-1] == "message_stop"
+
+
+def test_a_harness_gone_mid_stream_cancels_its_engine_request(tmp_path: Path) -> None:
+    """Gone 1 s into a relayed stream (deltas flowing): the engine aborts within 1 s."""
+    with (
+        engine_server(first_token_s=0.2, token_s=0.2) as engine,
+        front_end(settings(engine, tmp_path)) as front,
+    ):
+        received = send_and_hang_up(front, "relay-gone", True, after_s=1.0)
+        aborted = wait_for(lambda: httpx.get(engine + "/tokcap/aborted", timeout=30).json())
+        abandoned = wait_for(
+            lambda: metric(front, 'tokcap_calls_total{dialect="anthropic",outcome="abandoned"}')
+        )
+    assert b"content_block_delta" in received, "deltas were relayed before the hang-up"
+    assert len(aborted) == 1 and aborted[0]["after_s"] < 2.0
+    assert abandoned == 1
+    state = inspect(tmp_path, "relay-gone")
+    assert state["calls"] == 0 and state["pending_intents"] == 0 and not state["incomplete"]
+
+
+@pytest.mark.parametrize("case", ["older vllm", "responses"])
+def test_what_is_not_relayed_is_kept_alive_then_sent_whole(tmp_path: Path, case: str) -> None:
+    engine_kw = {"vllm_version": "0.11.0"} if case == "older vllm" else {}
+    with (
+        engine_server(first_token_s=1.2, **engine_kw) as engine,
+        front_end(settings(engine, tmp_path, keepalive_s=0.3)) as front,
+    ):
+        url = base(front, "whole-1")
+        if case == "responses":
+            request = {"model": "m", "input": "hello", "stream": True}
+            path, keepalive, final = "/v1/responses", ": keep-alive", "response.completed"
+        else:
+            request = {"model": "m", "max_tokens": 300, "messages": ASK, "stream": True}
+            path, keepalive, final = "/v1/messages", "event: ping", "message_stop"
+        with httpx.stream("POST", url + path, json=request, timeout=30) as response:
+            lines = [line for line in response.iter_lines() if line]
+    kept = [n for n, line in enumerate(lines) if line.startswith(keepalive)]
+    content = [n for n, line in enumerate(lines) if "delta" in line and not line.startswith(":")]
+    assert len(kept) >= 2 and max(kept) < min(content), "kept alive, then the reply whole"
+    assert final in lines[-1]
