@@ -73,7 +73,9 @@ def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tu
     """``tokcap serve`` on ``store``; yields its URL and a factory of the store's source."""
     with contextlib.ExitStack() as stack:
         if store == "redis":
-            server = RedisServer(tmp / f"redis-{time.monotonic_ns()}").start()
+            data = tmp / f"redis-{time.monotonic_ns()}"
+            data.mkdir()
+            server = RedisServer(data).start()
             stack.callback(server.stop)
             config = REDIS_CONFIG.format(url=server.url)
             source = lambda: RedisTokenStore(url=server.url)  # noqa: E731
