@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -184,21 +185,25 @@ def test_a_bad_gateway_names_the_upstream_by_host_and_port_only(
     assert_no_secret("the server's output", output)
 
 
-def test_a_worker_that_fails_start_up_fails_the_command(
-    tmp_path: Path, redis_server_factory
-) -> None:
-    """Redis without AOF: the sink refuses in the parent, before any worker starts."""
-    redis = redis_server_factory(appendonly="no", requirepass=REDIS_SECRET)
+def _serve_on(tmp_path: Path, redis: Any) -> subprocess.CompletedProcess:
+    """``tokcap serve`` on a private Redis the sink must refuse; its finished process."""
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)
     args = _serve_args(config, free_port(), "http://127.0.0.1:1", "--skip-probe")
-    done = subprocess.run(
+    return subprocess.run(
         args,
         env={**os.environ, "TOKCAP_REDIS_URL": _redis_url(redis.port)},
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_a_worker_that_fails_start_up_fails_the_command(
+    tmp_path: Path, redis_server_factory
+) -> None:
+    """Redis without AOF: the sink refuses in the parent, before any worker starts."""
+    done = _serve_on(tmp_path, redis_server_factory(appendonly="no", requirepass=REDIS_SECRET))
     assert done.returncode != 0, done.stderr[-2000:]
     assert done.stderr.count("AOF is off") == 1  # once, not once per worker
     assert_no_secret("the refusal", done.stdout + done.stderr)
@@ -208,17 +213,8 @@ def test_an_evicting_redis_fails_the_command_naming_the_fix(
     tmp_path: Path, redis_server_factory
 ) -> None:
     """An allkeys-* Redis would delete rollouts under memory pressure: refused at start-up."""
-    redis = redis_server_factory(requirepass=REDIS_SECRET, **{"maxmemory-policy": "allkeys-lru"})
-    config = tmp_path / "serve.yaml"
-    config.write_text(CONFIG)
-    args = _serve_args(config, free_port(), "http://127.0.0.1:1", "--skip-probe")
-    done = subprocess.run(
-        args,
-        env={**os.environ, "TOKCAP_REDIS_URL": _redis_url(redis.port)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    policy = {"maxmemory-policy": "allkeys-lru"}
+    done = _serve_on(tmp_path, redis_server_factory(requirepass=REDIS_SECRET, **policy))
     assert done.returncode != 0, done.stderr[-2000:]
     assert done.stderr.count("maxmemory-policy allkeys-lru") == 1
     assert "set maxmemory-policy noeviction" in done.stderr and "Traceback" not in done.stderr
