@@ -3,7 +3,7 @@
 Forty streamed Anthropic-SDK tool loops (6-9 calls) run through the front end while the
 operator's mistake strikes: an ``allkeys-lru`` policy with a tiny ``maxmemory`` switched on
 mid-run (connections already proven keep writing, and Redis deletes whole rollout hashes),
-or ``noeviction`` with memory full. The operator then sets the server right, and every
+or ``noeviction`` with memory full, once every loop has stored two calls. The operator then sets the server right, and every
 rollout is rebuilt and checked against the engine's ground truth
 (``tests.support.fault_loops``): none may be unmasked with an answered call missing. The
 same on one master of a Redis Cluster. Every server is the test's own, stopped by PID.
@@ -12,6 +12,7 @@ same on one master of a Redis Cluster. Every server is the test's own, stopped b
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -35,17 +36,38 @@ async def _memory(client: aioredis.Redis) -> dict[str, Any]:
     return await client.info("memory")
 
 
-async def squeeze(url: str, policy: str, after_s: float, headroom: int) -> dict[str, Any]:
-    """``after_s`` into the run, set ``policy`` and a maxmemory ``headroom`` bytes above
-    what the server uses now; returns the server's stats once the loops are done."""
+class Pause:
+    """Every loop waits before its call ``at`` until the fault struck (at most ``limit_s``),
+    so each rollout has calls stored, and more to make, when it strikes."""
+
+    def __init__(self, loops: int, at: int = 2, limit_s: float = 60.0) -> None:
+        self.loops, self.at, self.limit_s = loops, at, limit_s
+        self.waiting = 0
+        self.struck = asyncio.Event()
+
+    async def before_turn(self, rollout: Any, turn: int) -> None:
+        if turn == self.at:
+            self.waiting += 1
+            await asyncio.wait_for(self.struck.wait(), self.limit_s)
+
+    async def all_waiting(self) -> None:
+        deadline = time.monotonic() + self.limit_s
+        while self.waiting < self.loops and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+async def squeeze(url: str, policy: str, pause: Pause, headroom: int) -> dict[str, Any]:
+    """Once every loop waits, set ``policy`` and a maxmemory ``headroom`` bytes above what
+    the server uses now, then let the loops go on; the memory used when it struck."""
     client = aioredis.Redis.from_url(url)
     try:
-        await asyncio.sleep(after_s)
+        await pause.all_waiting()
         used = int((await _memory(client))["used_memory"])
         await client.config_set("maxmemory", str(used + headroom))
         await client.config_set("maxmemory-policy", policy)
         return {"used_at_squeeze": used}
     finally:
+        pause.struck.set()
         await client.aclose()
 
 
@@ -78,6 +100,7 @@ async def run_squeezed(
     node at ``node_url`` (the server itself by default); that node's stats after the fix."""
     node_url = node_url or server.url
     stats: dict[str, Any] = {}
+    pause = Pause(LOOPS)
 
     async def fix_after_loops() -> None:
         stats.update(await set_right(node_url))
@@ -88,9 +111,10 @@ async def run_squeezed(
         server,
         prefix,
         new_rollouts(policy.split("-")[0], LOOPS, turns=TURNS),
-        squeeze(node_url, policy, 1.0, headroom),
+        squeeze(node_url, policy, pause, headroom),
         cluster=cluster,
         before_rebuild=fix_after_loops,
+        before_turn=pause.before_turn,
         tool_output_chars=TOOL_OUTPUT_CHARS,
         max_retries=0,  # a loop answered 503 gives up at once: the run stays short
     )
@@ -102,7 +126,7 @@ async def test_allkeys_lru_switched_on_mid_run_masks_every_rollout_it_cut(
 ):
     server = redis_server_factory()
     outcome, stats = await run_squeezed(
-        engine, server, redis_prefix, "allkeys-lru", headroom=256 * 1024
+        engine, server, redis_prefix, "allkeys-lru", headroom=512 * 1024
     )
     assert int(stats["evicted_keys"]) > 0, "the fault was felt: Redis evicted rollouts"
     assert_no_critical(outcome)
@@ -116,7 +140,7 @@ async def test_noeviction_full_memory_fails_closed(
 ):
     server = redis_server_factory()
     outcome, stats = await run_squeezed(
-        engine, server, redis_prefix, "noeviction", headroom=256 * 1024
+        engine, server, redis_prefix, "noeviction", headroom=512 * 1024
     )
     assert int(stats["evicted_keys"]) == 0
     assert_no_critical(outcome)
@@ -134,7 +158,7 @@ async def test_allkeys_lru_on_one_cluster_master(engine: Engine, redis_cluster_f
         cluster,
         "evict",
         "allkeys-lru",
-        headroom=256 * 1024,
+        headroom=512 * 1024,
         node_url=squeezed.url,
         cluster=True,
     )
