@@ -95,6 +95,14 @@ def _model_cards(body: Any) -> list[dict[str, Any]]:
     return [item for item in data if isinstance(item, Mapping) and item.get("id")]
 
 
+def _refusal(status: int, content: bytes) -> UpstreamError:
+    """An engine's error reply as the harness is told it: the harness may fix a 4xx itself;
+    a 5xx is the upstream's fault, a bad gateway."""
+    return UpstreamError(
+        status if status < 500 else 502, f"upstream: {_error_message(status, content)}"
+    )
+
+
 def _chunk(data: str) -> Any:
     """One stream chunk; an error object the engine sent mid-stream ends the call (502)."""
     try:
@@ -177,14 +185,9 @@ class UpstreamClient:
         try:
             status, reply = await self._http.post(path, content)
         except TRANSPORT_ERRORS as exc:
-            raise UpstreamError(
-                502, f"upstream {self.where} unreachable: {type(exc).__name__}"
-            ) from exc
+            raise self._unreachable(exc) from exc
         if status >= 400:
-            # The harness may fix a 4xx itself; a 5xx is the upstream's fault: a bad gateway.
-            raise UpstreamError(
-                status if status < 500 else 502, f"upstream: {_error_message(status, reply)}"
-            )
+            raise _refusal(status, reply)
         try:
             data = jsonbytes.loads(reply)
         except ValueError as exc:
@@ -276,22 +279,40 @@ class UpstreamClient:
         await self.learn()
         return self.engine == "vllm" and self._release is not None and self._release >= RELAY_SINCE
 
+    def _unreachable(self, exc: BaseException) -> UpstreamError:
+        return UpstreamError(502, f"upstream {self.where} unreachable: {type(exc).__name__}")
+
+    async def _chat_body(
+        self, chat_request: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], tuple[str, ...], tuple[int, int] | None]:
+        """The engine's chat body for a request, the sampling keys overridden, and the clamp
+        of ``max_tokens`` to the context window (an empty tool list is not sent: vLLM
+        answers ``tools: []`` with ``tool_choice`` with a 400)."""
+        model = await self.model_name(chat_request.get("model"))
+        body, overridden = self.adapter.chat_body(chat_request, model, self.sampling_overrides)
+        if not body.get("tools"):
+            body.pop("tools", None)
+            body.pop("tool_choice", None)
+        return body, overridden, self._clamped(body)
+
+    def _retried_clamp(
+        self, error: UpstreamError, body: dict[str, Any], clamp: tuple[int, int] | None
+    ) -> tuple[int, int]:
+        """The clamp after a context-length refusal: what the harness asked for, and the
+        room the refusal names (or the refusal itself, re-raised)."""
+        asked, sent = self._retry_clamp(error, body)
+        return (clamp[0] if clamp else asked, sent)
+
     async def chat_relay(
         self, chat_request: Mapping[str, Any]
     ) -> AsyncIterator[Delta | Generation]:
         """One streamed upstream call: what each chunk adds, as it arrives, then the whole
         generation, checked as a non-streamed reply is (``vllm.read_chat``)."""
-        model = await self.model_name(chat_request.get("model"))
         adapter = self.adapter
-        body, overridden = adapter.chat_body(chat_request, model, self.sampling_overrides)
+        body, overridden, clamp = await self._chat_body(chat_request)
         body.update(STREAM_PARAMS)
-        if not body.get("tools"):
-            body.pop("tools", None)
-            body.pop("tool_choice", None)
-        clamp = self._clamped(body)
         stream = StreamedChat()
-        async with self._opened_stream(adapter.CHAT_PATH, body) as (reply, retried):
-            clamp = retried or clamp
+        async with self._opened_stream(adapter.CHAT_PATH, body, clamp) as (reply, clamp):
             try:
                 async for line in reply.content:
                     data = sse_data(line)
@@ -314,11 +335,10 @@ class UpstreamClient:
 
     @asynccontextmanager
     async def _opened_stream(
-        self, path: str, body: dict[str, Any]
+        self, path: str, body: dict[str, Any], clamp: tuple[int, int] | None
     ) -> AsyncIterator[tuple[Any, tuple[int, int] | None]]:
         """The engine's streamed reply, once it answered 200 (a context-length refusal is
         retried once with the room it names, as for a whole call); (reply, the clamp)."""
-        clamp = None
         for attempt in range(2):
             try:
                 async with self._http.stream(path, jsonbytes.dumps(body)) as reply:
@@ -327,17 +347,11 @@ class UpstreamClient:
                         return
                     content = await reply.read()
             except TRANSPORT_ERRORS as exc:
-                raise UpstreamError(
-                    502, f"upstream {self.where} unreachable: {type(exc).__name__}"
-                ) from exc
-            error = UpstreamError(
-                reply.status if reply.status < 500 else 502,
-                f"upstream: {_error_message(reply.status, content)}",
-            )
+                raise self._unreachable(exc) from exc
+            error = _refusal(reply.status, content)
             if attempt:
                 raise error
-            asked, sent = self._retry_clamp(error, body)
-            clamp = (asked, sent)
+            clamp = self._retried_clamp(error, body, clamp)
 
     async def model_name(self, requested: Any) -> str:
         """The configured model, else the upstream's first, else what the harness named."""
@@ -361,18 +375,12 @@ class UpstreamClient:
 
     async def chat(self, chat_request: Mapping[str, Any]) -> Generation:
         """One upstream call, checked; a legacy engine's prompt ids come from ``/tokenize``."""
-        model = await self.model_name(chat_request.get("model"))
         adapter = self.adapter
-        body, overridden = adapter.chat_body(chat_request, model, self.sampling_overrides)
-        if not body.get("tools"):
-            body.pop("tools", None)
-            body.pop("tool_choice", None)
-        clamp = self._clamped(body)
+        body, overridden, clamp = await self._chat_body(chat_request)
         try:
             response = await self._post(adapter.CHAT_PATH, body)
         except UpstreamError as exc:
-            asked, sent = self._retry_clamp(exc, body)
-            clamp = (clamp[0] if clamp else asked, sent)  # what the harness asked for
+            clamp = self._retried_clamp(exc, body, clamp)
             response = await self._post(adapter.CHAT_PATH, body)
         generation = adapter.read_chat(
             response, overridden, legacy=bool(self._legacy), vocab_size=self.vocab_size
