@@ -130,6 +130,13 @@ def test_the_same_task_run_twice_is_two_runs_too() -> None:
     assert built.masked and any("two harness runs" in r for r in built.mask_reasons)
 
 
+def summary_of(loop_calls: list[TokenEntry], text: str) -> TokenEntry:
+    """The compaction call that extends ``loop_calls`` and samples ``text``."""
+    last = loop_calls[-1]
+    call = entry("summary", full(last) + fresh(2), fresh(3), text=text, created_at=5)
+    return stamp(call, last, turns=len(loop_calls), summary_request=True)
+
+
 def test_a_title_call_and_a_continuation_are_related_by_shape_and_by_text() -> None:
     title = stamp(
         entry("title", fresh(3), fresh(2), text='{"title": "Files"}', created_at=-1.0),
@@ -140,12 +147,7 @@ def test_a_title_call_and_a_continuation_are_related_by_shape_and_by_text() -> N
     )
     first = loop(2)
     summary_text = "<summary>\nThe user asked for the files; two listings ran.\n</summary>"
-    summary = stamp(
-        entry("summary", full(first[-1]) + fresh(2), fresh(3), text=summary_text, created_at=5),
-        first[-1],
-        turns=2,
-        summary_request=True,
-    )
+    summary = summary_of(first, summary_text)
     resumed = chain_entries(2, prefix="resumed", created_at=10.0)
     opening = (
         "This session is being continued from a previous conversation.\n\nSummary:\n"
@@ -225,12 +227,7 @@ def test_a_summary_kept_without_its_analysis_still_explains_the_loop_before_it()
     )
     summary = "\n".join(f"Summary point {i}: listed the files of directory {i}." for i in range(4))
     reply = f"<analysis>\n{analysis}\n</analysis>\n<summary>\n{summary}\n</summary>"
-    asked = stamp(
-        entry("summary", full(first[-1]) + fresh(2), fresh(3), text=reply, created_at=5),
-        first[-1],
-        turns=2,
-        summary_request=True,
-    )
+    asked = summary_of(first, reply)
     resumed = chain_entries(2, prefix="resumed", created_at=10.0)
     opening = "This session is being continued from a previous conversation.\nSummary:\n" + summary
     stamp(resumed[0], opening=opening)  # no continuation trait: the text alone relates them
