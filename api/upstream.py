@@ -308,8 +308,8 @@ class UpstreamClient:
     ) -> AsyncIterator[Delta | Generation]:
         """One streamed upstream call: what each chunk adds, as it arrives, then the whole
         generation, checked as a non-streamed reply is (``vllm.read_chat``)."""
-        adapter = self.adapter
         body, overridden, clamp = await self._chat_body(chat_request)
+        adapter = self.adapter  # known once the engine was asked (``_chat_body``)
         body.update(STREAM_PARAMS)
         stream = StreamedChat()
         async with self._opened_stream(adapter.CHAT_PATH, body, clamp) as (reply, clamp):
@@ -375,8 +375,8 @@ class UpstreamClient:
 
     async def chat(self, chat_request: Mapping[str, Any]) -> Generation:
         """One upstream call, checked; a legacy engine's prompt ids come from ``/tokenize``."""
-        adapter = self.adapter
         body, overridden, clamp = await self._chat_body(chat_request)
+        adapter = self.adapter  # known once the engine was asked (``_chat_body``)
         try:
             response = await self._post(adapter.CHAT_PATH, body)
         except UpstreamError as exc:
