@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from api.dialects.common import arguments_text, new_id
+from api.dialects.common import arguments_text, item_id, new_id
 from api.generation import Generation
 from api.types import CapturedCall
 from capture.codec.packed import PackedIds
@@ -23,14 +23,16 @@ from capture.protocols import reads_packed_ids
 from capture.records import TokenEntry
 
 
-def output_items(generation: Generation) -> list[dict[str, Any]]:
-    """The Responses output items of a completion, without token arrays."""
+def output_items(generation: Generation, reply_id: str | None = None) -> list[dict[str, Any]]:
+    """The Responses output items of a completion, without token arrays, named after the
+    reply they are served in (``item_id``)."""
+    reply_id = reply_id or new_id("")
     items: list[dict[str, Any]] = []
     if generation.reasoning:
         items.append(
             {
                 "type": "reasoning",
-                "id": new_id("rs_"),
+                "id": item_id("rs_", reply_id),
                 "summary": [],
                 "content": [{"type": "reasoning_text", "text": generation.reasoning}],
             }
@@ -39,20 +41,20 @@ def output_items(generation: Generation) -> list[dict[str, Any]]:
         items.append(
             {
                 "type": "message",
-                "id": new_id("msg_"),
+                "id": item_id("msg_", reply_id),
                 "role": "assistant",
                 "status": "completed",
                 "content": [{"type": "output_text", "text": generation.text, "annotations": []}],
             }
         )
-    for call in generation.tool_calls:
+    for index, call in enumerate(generation.tool_calls):
         function = call.get("function")
         function = function if isinstance(function, Mapping) else {}
         items.append(
             {
                 "type": "function_call",
-                "id": new_id("fc_"),
-                "call_id": str(call.get("id") or new_id("call_")),
+                "id": item_id("fc_", reply_id, index),
+                "call_id": str(call.get("id") or item_id("call_", reply_id, index)),
                 "name": str(function.get("name") or ""),
                 "arguments": arguments_text(function.get("arguments")),
                 "status": "completed",
@@ -108,9 +110,10 @@ def _clamp_field(generation: Generation) -> dict[str, Any]:
     return {"max_tokens_clamped": {"asked": asked, "sent": sent}}
 
 
-async def capture(generation: Generation) -> CapturedCall:
-    """Capture the ids of a completion that is about to be served; never raises."""
-    items = output_items(generation)
+async def capture(generation: Generation, reply_id: str | None = None) -> CapturedCall:
+    """Capture the ids of a completion that is about to be served (in the reply
+    ``reply_id``); never raises."""
+    items = output_items(generation, reply_id)
     call = current_call()
     if call is None:
         return CapturedCall(generation, items, None, "uncaptured")

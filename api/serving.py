@@ -80,7 +80,7 @@ class Dialect:
     stream_error: Callable[..., bytes]
     keepalive: bytes
     error_body: Callable[[int, str], dict[str, Any]]
-    relay: Callable[..., Any] | None  # events of each delta as it comes; None: not relayed
+    relay: Callable[..., Any]  # the events of each delta as it comes (``Relay``)
 
     @classmethod
     def of(cls, module: Any) -> Dialect:
@@ -138,9 +138,11 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     head = dialect.reply_head(body)
     headers = {"x-tokcap-prompt": prompt.how} if prompt is not None else {}
     streamed = body.get("stream") is True
-    relayed = streamed and await _relayed(state, dialect, prompt)
+    relayed = streamed and await _relayed(state, prompt)
     work = CallWork(current_call(), asyncio.Queue() if relayed else None)
-    work.task = asyncio.ensure_future(_work(work, state, dialect, chat_request, traits, prompt))
+    work.task = asyncio.ensure_future(
+        _work(work, state, dialect, chat_request, traits, prompt, head["id"])
+    )
     settled = await _settle(work, request, state.settings.keepalive_s if streamed else None)
     if settled == "gone":
         _abandon(work, metrics)
@@ -177,11 +179,11 @@ async def _faithful_prompt(state: Any, chat_request: dict[str, Any]) -> Prompt |
     return prompt
 
 
-async def _relayed(state: Any, dialect: Dialect, prompt: Prompt | None) -> bool:
+async def _relayed(state: Any, prompt: Prompt | None) -> bool:
     """Whether a streamed call is relayed as the engine samples it: text prompts (faithful
-    replies are parsed from the whole sampled ids), a dialect that relays, an engine whose
-    stream carries every id (``UpstreamClient.can_relay``)."""
-    return prompt is None and dialect.relay is not None and await state.upstream.can_relay()
+    replies are parsed from the whole sampled ids) and an engine whose stream carries every
+    id (``UpstreamClient.can_relay``)."""
+    return prompt is None and await state.upstream.can_relay()
 
 
 async def _generate(
@@ -230,6 +232,7 @@ async def _work(
     chat_request: dict[str, Any],
     traits: dict[str, Any],
     prompt: Prompt | None,
+    reply_id: str,
 ) -> CapturedCall | Failed:
     """The engine, then the capture; the outcome the harness is answered with."""
     metrics: FrontEndMetrics = state.metrics
@@ -253,7 +256,7 @@ async def _work(
     work.generating = False
     if intent is not None:
         await intent  # durable before the entry, and so before any reply reaches the harness
-    captured = await capture(generation)
+    captured = await capture(generation, reply_id)
     metrics.record_call(dialect.name, captured.outcome, captured.put_seconds)
     if captured.outcome == "unrecorded":
         resolve_unserved("the call was answered 503, or its stream ended with an error")
@@ -366,7 +369,7 @@ async def _stream(
             sent += 1
         async for event in _while_running(work, relay, dialect.keepalive, state.settings):
             yield event
-            sent += 1
+            sent += event is not dialect.keepalive  # a keep-alive is no event of the reply
         outcome = work.task.result()
         if isinstance(outcome, Failed):
             yield dialect.stream_error(head, body, outcome.status, outcome.message, sent)

@@ -18,6 +18,7 @@ from api.dialects.common import (
     RequestError,
     assistant_message,
     chat_request,
+    item_id,
     joined_text,
     new_id,
     openai_error_body,
@@ -236,9 +237,6 @@ def _item_added(item: Mapping[str, Any]) -> dict[str, Any]:
 
 # An SSE comment: what a stream sends while nothing else is (SDKs skip comment lines).
 KEEPALIVE = b": keep-alive\n\n"
-# Not relayed as the engine samples: each event names its item by an id the capture makes
-# (``api.capture_step.output_items``); a stream here is kept alive, then sent whole.
-Relay = None
 _OPENING_EVENTS = 2  # response.created, response.in_progress
 
 
@@ -296,33 +294,159 @@ def _events(reply: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     }
     yield from _opening(opening)
     for index, item in enumerate(reply["output"]):
-        ids = {"item_id": item["id"], "output_index": index}
-        yield _emit("response.output_item.added", output_index=index, item=_item_added(item))
-        if item["type"] == "message":
-            for part_index, part in enumerate(item["content"]):
-                at = {**ids, "content_index": part_index}
-                empty = {**part, "text": ""}
-                yield _emit("response.content_part.added", **at, part=empty)
-                if part["text"]:
-                    yield _emit("response.output_text.delta", **at, delta=part["text"], logprobs=[])
-                yield _emit("response.output_text.done", **at, text=part["text"], logprobs=[])
-                yield _emit("response.content_part.done", **at, part=part)
-        elif item["type"] == "reasoning":
-            for part_index, part in enumerate(item["content"]):
-                at = {**ids, "content_index": part_index}
-                yield _emit("response.reasoning_text.delta", **at, delta=part["text"])
-                yield _emit("response.reasoning_text.done", **at, text=part["text"])
-        elif item["type"] == "function_call":
-            if item["arguments"]:
-                yield _emit(
-                    "response.function_call_arguments.delta", **ids, delta=item["arguments"]
-                )
-            yield _emit(
-                "response.function_call_arguments.done",
-                **ids,
-                name=item["name"],
-                arguments=item["arguments"],
-            )
-        yield _emit("response.output_item.done", output_index=index, item=item)
+        yield from _item_events(index, item)
     final = "response.completed" if reply["status"] == "completed" else "response.incomplete"
     yield _emit(final, response=reply)
+
+
+def _item_events(index: int, item: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """One finished item's events: added, its content whole, done."""
+    ids = {"item_id": item["id"], "output_index": index}
+    yield _emit("response.output_item.added", output_index=index, item=_item_added(item))
+    if item["type"] == "message":
+        for part_index, part in enumerate(item["content"]):
+            at = {**ids, "content_index": part_index}
+            yield _emit("response.content_part.added", **at, part={**part, "text": ""})
+            if part["text"]:
+                yield _emit("response.output_text.delta", **at, delta=part["text"], logprobs=[])
+    elif item["type"] == "reasoning":
+        for part_index, part in enumerate(item["content"]):
+            at = {**ids, "content_index": part_index}
+            yield _emit("response.reasoning_text.delta", **at, delta=part["text"])
+    elif item["type"] == "function_call" and item["arguments"]:
+        yield _emit("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+    yield from _item_done(index, item)
+
+
+def _item_done(index: int, item: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The events that close an item whose content was sent: each part's done, the item's."""
+    ids = {"item_id": item["id"], "output_index": index}
+    if item["type"] == "message":
+        for part_index, part in enumerate(item["content"]):
+            at = {**ids, "content_index": part_index}
+            yield _emit("response.output_text.done", **at, text=part["text"], logprobs=[])
+            yield _emit("response.content_part.done", **at, part=part)
+    elif item["type"] == "reasoning":
+        for part_index, part in enumerate(item["content"]):
+            at = {**ids, "content_index": part_index}
+            yield _emit("response.reasoning_text.done", **at, text=part["text"])
+    elif item["type"] == "function_call":
+        yield _emit(
+            "response.function_call_arguments.done",
+            **ids,
+            name=item["name"],
+            arguments=item["arguments"],
+        )
+    yield _emit("response.output_item.done", output_index=index, item=item)
+
+
+def _streamed_item(kind: str, reply_id: str, piece: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An output item opened by the stream, its content empty until deltas fill it; named as
+    the capture names the item it stores (``item_id``)."""
+    if kind == "reasoning":
+        content = [{"type": "reasoning_text", "text": ""}]
+        return {
+            "type": "reasoning",
+            "id": item_id("rs_", reply_id),
+            "summary": [],
+            "content": content,
+        }
+    if kind == "message":
+        part = {"type": "output_text", "text": "", "annotations": []}
+        message_id = item_id("msg_", reply_id)
+        return {"type": "message", "id": message_id, "role": "assistant", "content": [part]}
+    assert piece is not None
+    index = piece["index"]
+    return {
+        "type": "function_call",
+        "id": item_id("fc_", reply_id, index),
+        "call_id": str(piece["id"] or item_id("call_", reply_id, index)),
+        "name": str(piece["name"] or ""),
+        "arguments": "",
+    }
+
+
+class Relay:
+    """A reply relayed as the engine samples it: an output item per kind in the order they
+    come (reasoning, the message, each tool call), each delta as its item's delta event.
+
+    An item is named when it opens as the capture names it, so ``close`` finds the captured
+    items under the ids the stream announced: it closes the last one as captured, sends the
+    items the stream did not open, then ``response.completed``. Sequence numbers run on
+    from the opening events.
+    """
+
+    def __init__(self, head: Mapping[str, Any], body: Mapping[str, Any]) -> None:
+        self.reply_id = str(head["id"])
+        self.sequence = _OPENING_EVENTS
+        self.items: list[dict[str, Any]] = []
+        self.kind: str | None = None
+
+    def _numbered(self, emitted: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
+        sent = _numbered(iter(emitted), self.sequence)
+        self.sequence += len(sent)
+        return sent
+
+    def _item(
+        self, kind: str, emitted: list[tuple[str, Any]], piece: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The item ``kind`` deltas go to, opened (and the previous one closed) on a change;
+        with the fields that place its events."""
+        if self.kind != kind:
+            if self.items:
+                emitted.extend(_item_done(len(self.items) - 1, self.items[-1]))
+            item = _streamed_item(kind.split(" ")[0], self.reply_id, piece)
+            self.items.append(item)
+            self.kind = kind
+            index = len(self.items) - 1
+            emitted.append(_emit("response.output_item.added", output_index=index, item=item))
+            if item["type"] == "message":
+                part = {"type": "output_text", "text": "", "annotations": []}
+                at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+                emitted.append(_emit("response.content_part.added", **at, part=part))
+        return self.items[-1], {
+            "item_id": self.items[-1]["id"],
+            "output_index": len(self.items) - 1,
+        }
+
+    def delta(self, delta: Any) -> list[bytes]:
+        emitted: list[tuple[str, Any]] = []
+        if delta.reasoning:
+            item, at = self._item("reasoning", emitted)
+            item["content"][0]["text"] += delta.reasoning
+            reasoning = _emit(
+                "response.reasoning_text.delta", **at, content_index=0, delta=delta.reasoning
+            )
+            emitted.append(reasoning)
+        if delta.text:
+            item, at = self._item("message", emitted)
+            item["content"][0]["text"] += delta.text
+            text = _emit(
+                "response.output_text.delta", **at, content_index=0, delta=delta.text, logprobs=[]
+            )
+            emitted.append(text)
+        for piece in delta.tool_calls:
+            item, at = self._item(f"function_call {piece['index']}", emitted, piece)
+            item["arguments"] += piece["arguments"]
+            if piece["arguments"]:
+                arguments = _emit(
+                    "response.function_call_arguments.delta", **at, delta=piece["arguments"]
+                )
+                emitted.append(arguments)
+        return self._numbered(emitted)
+
+    def close(self, reply: Mapping[str, Any]) -> list[bytes]:
+        """The open item's done (as captured), the items not streamed, the completion."""
+        output = reply["output"]
+        captured = {item["id"]: item for item in output}
+        announced = {item["id"] for item in self.items}
+        emitted: list[tuple[str, Any]] = []
+        if self.items:
+            last = self.items[-1]
+            emitted.extend(_item_done(len(self.items) - 1, captured.get(last["id"], last)))
+        for index, item in enumerate(output):
+            if item["id"] not in announced:
+                emitted.extend(_item_events(index, item))
+        final = "response.completed" if reply["status"] == "completed" else "response.incomplete"
+        emitted.append(_emit(final, response=reply))
+        return self._numbered(emitted)

@@ -12,7 +12,8 @@ import json
 import pytest
 
 from api.dialects import anthropic, chat, responses
-from api.dialects.common import RequestError
+from api.dialects.common import RequestError, item_id
+from api.engines.vllm_stream import Delta
 from tests.support.frontend import sse_events
 
 
@@ -247,3 +248,75 @@ def test_anthropic_stream_replays_the_reply_block_by_block() -> None:
     assert json.loads(events[8][1]["delta"]["partial_json"]) == {"command": "ls"}
     assert events[10][1]["delta"]["stop_reason"] == "tool_use"
     assert events[10][1]["usage"]["output_tokens"] == 5
+
+
+def test_responses_relay_opens_an_item_per_kind_and_completes_with_their_ids() -> None:
+    """Deltas of reasoning, text and two tool calls: each item is added, filled and done in
+    order, sequence numbers run on from the opening, and the completed response holds the
+    captured items under the ids the stream announced (both name them after the reply)."""
+    body = {"model": "m", "stream": True}
+    head = responses.reply_head(body)
+    call = {"index": 0, "id": "call_a", "name": "Bash", "arguments": '{"command": '}
+    deltas = [
+        Delta(reasoning="let me "),
+        Delta(reasoning="look"),
+        Delta(text="Running."),
+        Delta(tool_calls=(call,)),
+        Delta(tool_calls=({"index": 0, "id": None, "name": None, "arguments": '"ls"}'},)),
+        Delta(tool_calls=({"index": 1, "id": "call_b", "name": "Read", "arguments": "{}"},)),
+    ]
+    captured = [
+        {
+            "type": "reasoning",
+            "id": item_id("rs_", head["id"]),
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "let me look"}],
+        },
+        {
+            "type": "message",
+            "id": item_id("msg_", head["id"]),
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Running.", "annotations": []}],
+        },
+        {
+            "type": "function_call",
+            "id": item_id("fc_", head["id"], 0),
+            "call_id": "call_a",
+            "name": "Bash",
+            "arguments": '{"command": "ls"}',
+            "status": "completed",
+        },
+        {
+            "type": "function_call",
+            "id": item_id("fc_", head["id"], 1),
+            "call_id": "call_b",
+            "name": "Read",
+            "arguments": "{}",
+            "status": "completed",
+        },
+    ]
+    reply = {**responses.reply_head(body), **head, "status": "completed", "output": captured}
+    relay = responses.Relay(head, body)
+    sent = responses.opening(head, body)
+    for delta in deltas:
+        sent += relay.delta(delta)
+    sent += relay.close(reply)
+    events = sse_events(b"".join(sent).decode())
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    added = [data["item"] for name, data in events if name == "response.output_item.added"]
+    done = [data["item"] for name, data in events if name == "response.output_item.done"]
+    name, completed = events[-1]
+    assert name == "response.completed"
+    output = completed["response"]["output"]
+    assert [item["id"] for item in added] == [item["id"] for item in done]
+    assert [item["id"] for item in added] == [item["id"] for item in captured]
+    assert output == captured
+    assert done[-1] == output[-1] and output[2]["arguments"] == '{"command": "ls"}'
+    texts = [data["delta"] for name, data in events if name == "response.output_text.delta"]
+    arguments = [
+        data["delta"] for name, data in events if name == "response.function_call_arguments.delta"
+    ]
+    assert texts == ["Running."] and arguments == ['{"command": ', '"ls"}', "{}"]
+    positions = [data["output_index"] for name, data in events if name.endswith(".delta")]
+    assert positions == [0, 0, 1, 2, 2, 3]

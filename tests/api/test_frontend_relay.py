@@ -4,8 +4,8 @@ The engine (vLLM wire, 0.12: every stream chunk carries its ids) takes ``FIRST_S
 first token and ``TOKEN_S`` per token after it. Through the front end, a streamed harness
 gets its first delta about when the engine sends it, not after the whole generation, and
 then the deltas one by one; the final event comes after the entry is durable, and the
-captured ids are exactly the engine's. An engine that names an older vLLM, and the
-Responses dialect, are not relayed: kept alive, then sent whole.
+captured ids are exactly the engine's, in all three dialects. An engine whose stream lacks
+ids, and token-in calls, are not relayed: kept alive, then sent whole.
 """
 
 from __future__ import annotations
@@ -129,23 +129,64 @@ def test_a_harness_gone_mid_stream_cancels_its_engine_request(tmp_path: Path) ->
     assert state["calls"] == 0 and state["pending_intents"] == 0 and not state["incomplete"]
 
 
-@pytest.mark.parametrize("case", ["older vllm", "responses"])
+def test_responses_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> None:
+    """The Responses stream relays item by item, its sequence numbers unbroken; the SDK
+    reads it as a whole response (its first call, which also pays the SDK's lazy set-up).
+    The second call, read raw, times the deltas."""
+    with paced() as engine, front_end(settings(engine, tmp_path)) as front:
+        url = base(front, "relay-r") + "/v1"
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        with client.responses.stream(model="m", input="hello", max_output_tokens=300) as events:
+            numbers = [event.sequence_number for event in events]
+            final = events.get_final_response()
+        started = time.monotonic()
+        arrivals = []
+        request = {"model": "m", "input": "hello", "max_output_tokens": 300, "stream": True}
+        with httpx.stream("POST", url + "/responses", json=request, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith(("event: response.output_text.delta", "event: response.reas")):
+                    arrivals.append(time.monotonic() - started)
+        total = time.monotonic() - started
+        first, second = ground_truth(engine)
+    assert numbers == list(range(len(numbers))), "sequence numbers run on without a gap"
+    assert final.status == "completed"
+    assert final.output_text == (first.get("content") or "")
+    assert arrivals[0] < FIRST_S + 0.5 < total
+    assert len(arrivals) >= len(second["token_ids"]) // 2, "deltas one by one"
+    entries = run(_entries(tmp_path, "relay-r"))
+    assert [e.generation_token_ids for e in entries] == [first["token_ids"], second["token_ids"]]
+
+
+def _keepalive_settings(case: str, engine: str, tmp_path: Path) -> Any:
+    if case == "faithful":
+        return settings(
+            engine, tmp_path, keepalive_s=0.3, prompts="faithful", renderer_tokenizer="qwen3"
+        )
+    return settings(engine, tmp_path, keepalive_s=0.3)
+
+
+@pytest.mark.parametrize("case", ["older vllm", "sglang", "faithful"])
 def test_what_is_not_relayed_is_kept_alive_then_sent_whole(tmp_path: Path, case: str) -> None:
-    engine_kw = {"vllm_version": "0.11.0"} if case == "older vllm" else {}
+    """An engine whose stream lacks ids (vLLM before 0.12, SGLang) and token-in calls are
+    not relayed: the stream opens and is kept alive while the engine works, then the reply
+    comes whole."""
+    engine_kw: dict[str, Any] = {
+        "older vllm": {"vllm_version": "0.11.0"},
+        "sglang": {"wire": "sglang"},
+        "faithful": {"tokenizer_path": "qwen3"},
+    }[case]
     with (
         engine_server(first_token_s=1.2, **engine_kw) as engine,
-        front_end(settings(engine, tmp_path, keepalive_s=0.3)) as front,
+        front_end(_keepalive_settings(case, engine, tmp_path)) as front,
     ):
-        url = base(front, "whole-1")
-        if case == "responses":
-            request = {"model": "m", "input": "hello", "stream": True}
-            path, keepalive, final = "/v1/responses", ": keep-alive", "response.completed"
-        else:
-            request = {"model": "m", "max_tokens": 300, "messages": ASK, "stream": True}
-            path, keepalive, final = "/v1/messages", "event: ping", "message_stop"
-        with httpx.stream("POST", url + path, json=request, timeout=30) as response:
+        request = {"model": "m", "max_tokens": 300, "messages": ASK, "stream": True}
+        url = base(front, "whole-1") + "/v1/messages"
+        with httpx.stream("POST", url, json=request, timeout=30) as response:
             lines = [line for line in response.iter_lines() if line]
-    kept = [n for n, line in enumerate(lines) if line.startswith(keepalive)]
-    content = [n for n, line in enumerate(lines) if "delta" in line and not line.startswith(":")]
+        (truth,) = ground_truth(engine)
+    kept = [n for n, line in enumerate(lines) if line == "event: ping"]
+    content = [n for n, line in enumerate(lines) if line == "event: content_block_delta"]
     assert len(kept) >= 2 and max(kept) < min(content), "kept alive, then the reply whole"
-    assert final in lines[-1]
+    assert lines[-2] == "event: message_stop"
+    (entry,) = run(_entries(tmp_path, "whole-1"))
+    assert entry.generation_token_ids == truth["token_ids"]
