@@ -129,24 +129,53 @@ def test_a_harness_gone_after_the_engine_answered_is_noted_unreceived(
     assert unreceived == 1 and aborted == []
 
 
-def test_a_long_generation_reaches_a_client_with_a_short_read_timeout(tmp_path: Path) -> None:
+LONG_CASES = {
+    "vllm": ({}, {}),
+    "sglang": ({"wire": "sglang"}, {}),
+    "faithful": (
+        {"tokenizer_path": "qwen3"},
+        {"prompts": "faithful", "renderer_tokenizer": "qwen3"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LONG_CASES))
+def test_a_long_generation_reaches_a_client_with_a_short_read_timeout(
+    tmp_path: Path, case: str
+) -> None:
     """Engine 4 s, client read timeout 1.5 s: the keep-alive keeps the stream going (the
-    Anthropic and OpenAI SDKs both), and every call is captured whole."""
+    Anthropic and OpenAI SDKs both, all three dialects), and every call is captured
+    exactly, in text mode on either wire and in faithful mode."""
+    engine_kw, front_kw = LONG_CASES[case]
     with (
-        engine_server(first_token_s=4.0) as engine,
-        front_end(settings(engine, tmp_path, keepalive_s=0.5)) as front,
+        engine_server(first_token_s=4.0, **engine_kw) as engine,
+        front_end(settings(engine, tmp_path, keepalive_s=0.5, **front_kw)) as front,
     ):
         base = f"{front}/ng-rollout/slow-1/training-token-capture"
         client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=1.5)
         with client.messages.stream(model="m", max_tokens=200, messages=HELLO) as events:
             message = events.get_final_message()
-        chat = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=1.5)
+        sdk = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=1.5)
         chunks = list(
-            chat.chat.completions.create(model="m", messages=HELLO, max_tokens=200, stream=True)
+            sdk.chat.completions.create(model="m", messages=HELLO, max_tokens=200, stream=True)
         )
+        with sdk.responses.stream(model="m", input="hello", max_output_tokens=200) as stream:
+            response = stream.get_final_response()
+        truth = httpx.get(engine + "/tokcap/ground_truth", timeout=30).json()
     assert message.stop_reason == "end_turn" and message.content[-1].type == "text"
     assert chunks[-1].choices[0].finish_reason == "stop"
-    assert inspect(tmp_path, "slow-1")["calls"] == 2
+    assert response.status == "completed"
+    entries = asyncio.run(_peek(tmp_path, "slow-1"))
+    assert [e.generation_token_ids for e in entries] == [t["token_ids"] for t in truth]
+    assert len(entries) == 3
+
+
+async def _peek(store_dir: Path, rollout: str) -> list[Any]:
+    store = TokenCaptureStore(store_dir)
+    try:
+        return await store.peek(rollout)
+    finally:
+        await store.close()
 
 
 def test_calls_waiting_on_the_engine_do_not_count_against_the_body_guard(tmp_path: Path) -> None:
