@@ -36,8 +36,9 @@ from tests.support.fault_loops import (
     judge,
     rebuild,
     run_loops,
+    write_script,
 )
-from tests.support.frontend import front_end
+from tests.support.frontend import engine_server, front_end
 from transports.redis import RedisTokenStore
 
 pytestmark = pytest.mark.slow
@@ -165,6 +166,37 @@ async def test_redis_kill9_mid_run_then_restart(
         back,
     )
     assert_no_critical(outcome)
+
+
+# Relayed streams at once through a Redis kill -9 (issue 22): 200 here; the figure of 1,000
+# comes from TOKCAP_FAULT_STREAMS=1000 (a few minutes on two cores).
+STREAMS = int(os.environ.get("TOKCAP_FAULT_STREAMS", "200"))
+
+
+async def test_relayed_streams_at_once_through_a_redis_kill9(
+    tmp_path: Path, redis_server_factory, redis_prefix
+):
+    """Every loop's calls stream from a paced engine (1.5 s to the first token, then 20 ms a
+    token), so the deltas of hundreds of calls are out when Redis dies: those calls end
+    with an error event instead of their final one, and none may be delivered unmasked."""
+    server = redis_server_factory()
+    truth = tmp_path / "ground_truth.jsonl"
+    script = write_script(tmp_path / "script.yaml")
+    paced = {"first_token_s": 1.5, "token_s": 0.02}
+    with engine_server(script_path=script, ground_truth_path=str(truth), **paced) as url:
+        outcome = await redis_run(
+            f"{STREAMS} relayed streams, redis kill -9 for 4 s",
+            Engine(url, truth),
+            server,
+            redis_prefix,
+            new_rollouts("streams", STREAMS, turns=(2, 3)),
+            after(3.5, server.kill9),
+            after(7.5, server.start),
+            server_settings={"keepalive_s": 1.0},
+        )
+    print(outcome.row())
+    assert_no_critical(outcome)
+    assert felt(outcome)
 
 
 async def test_redis_down_for_the_last_call_of_each_rollout(
