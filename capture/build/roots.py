@@ -53,19 +53,29 @@ MIN_LINE_CHARS = 16
 _TAG = re.compile(r"</?[A-Za-z][\w.-]*(?:\s[^<>]*)?/?>")
 
 
+def _digests(text: str) -> Iterator[str]:
+    """One short digest per line worth comparing, markup tags and spacing aside; read line
+    by line, so a reader that needs only the first few stops early."""
+    for raw in text.splitlines():
+        for line in _TAG.sub("\n", raw).splitlines():
+            words = " ".join(line.split())
+            if len(words) >= MIN_LINE_CHARS:
+                yield hashlib.blake2b(words.encode(), digest_size=6).hexdigest()
+
+
 def line_digests(text: str) -> list[str]:
-    """One short digest per line worth comparing, markup tags and spacing aside."""
-    digests = []
-    for line in _TAG.sub("\n", text).splitlines():
-        words = " ".join(line.split())
-        if len(words) >= MIN_LINE_CHARS:
-            digests.append(hashlib.blake2b(words.encode(), digest_size=6).hexdigest())
-    return digests
+    return list(_digests(text))
 
 
 def opening_digests(text: str) -> list[str]:
-    """The line digests a conversation start records of its first user message."""
-    return list(dict.fromkeys(line_digests(text)))[:MAX_OPENING_LINES]
+    """The line digests a conversation start records of its first user message: the first
+    ``MAX_OPENING_LINES`` distinct ones (the rest of a long message is not read)."""
+    found: dict[str, None] = {}
+    for digest in _digests(text):
+        found[digest] = None
+        if len(found) == MAX_OPENING_LINES:
+            break
+    return list(found)
 
 
 def _strings(value: Any) -> Iterator[str]:
