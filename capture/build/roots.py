@@ -57,7 +57,9 @@ def _digests(text: str) -> Iterator[str]:
     """One short digest per line worth comparing, markup tags and spacing aside; read line
     by line, so a reader that needs only the first few stops early."""
     for raw in text.splitlines():
-        for line in _TAG.sub("\n", raw).splitlines():
+        if len(raw) < MIN_LINE_CHARS:
+            continue  # too short for any line in it to count
+        for line in _TAG.sub("\n", raw).splitlines() if "<" in raw else (raw,):
             words = " ".join(line.split())
             if len(words) >= MIN_LINE_CHARS:
                 yield hashlib.blake2b(words.encode(), digest_size=6).hexdigest()
