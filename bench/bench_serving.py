@@ -69,8 +69,8 @@ def engine(tmp: Path, first_s: float, token_s: float = 0.0) -> Iterator[tuple[st
 
 
 @contextlib.contextmanager
-def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tuple[str, Any]]:
-    """``tokcap serve`` on ``store``; yields its URL and a factory of the store's source."""
+def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tuple[str, Any, int]]:
+    """``tokcap serve`` on ``store``; yields its URL, a factory of the store's source, its PID."""
     with contextlib.ExitStack() as stack:
         if store == "redis":
             data = tmp / f"redis-{time.monotonic_ns()}"
@@ -89,15 +89,40 @@ def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tu
         args = [sys.executable, "-m", "api.serve_cli", "--config", str(path), "--port", str(port)]
         args += ["--upstream", upstream, "--workers", str(workers), "--log-level", "warning"]
         url = f"http://127.0.0.1:{port}"
-        stack.enter_context(run_process(args, ready_url=url + "/health", timeout=120))
-        yield url, source
+        proc = stack.enter_context(run_process(args, ready_url=url + "/health", timeout=120))
+        yield url, source, proc.pid
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants (uvicorn's workers), from /proc."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                pending += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The summed peak resident memory (VmHWM) of a process tree, in MB."""
+    total_kb = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total_kb += int(line.split()[1])
+    return total_kb / 1024
 
 
 async def tool_loop(
-    http: aiohttp.ClientSession, url: str, rollout: str, turns: int
+    http: aiohttp.ClientSession, url: str, rollout: str, turns: int, pad: str = ""
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """One rollout's loop: its replies in order, and the error that ended it, if any."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": f"Rollout {rollout}: list."}]
+    """One rollout's loop: its replies in order, and the error that ended it, if any; its
+    first message carries ``pad`` (a long context)."""
+    task = f"Rollout {rollout}: list.{pad}"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
     replies: list[dict[str, Any]] = []
     try:
         for turn in range(turns):
@@ -121,13 +146,13 @@ async def tool_loop(
     return replies, None
 
 
-async def run_loops(url_of: Any, loops: int, turns: int) -> tuple[float, list[Any]]:
+async def run_loops(url_of: Any, loops: int, turns: int, pad: str = "") -> tuple[float, list[Any]]:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         started = time.monotonic()
         done = await asyncio.gather(
-            *(tool_loop(http, url_of(f"bench-{n}"), f"bench-{n}", turns) for n in range(loops))
+            *(tool_loop(http, url_of(f"bench-{n}"), f"bench-{n}", turns, pad) for n in range(loops))
         )
         return time.monotonic() - started, list(done)
 
@@ -157,27 +182,37 @@ def pace(engine_url: str) -> dict[str, int]:
     return httpx.get(engine_url + "/tokcap/pace", timeout=30).json()
 
 
+def padding(chars: int) -> str:
+    """About ``chars`` characters of varied prose, as a long context."""
+    words = ("tokens", "rollout", "engine", "capture", "harness", "policy", "sample", "reply")
+    text = " ".join(f"{words[n % 8]}{n % 97}" for n in range(chars // 9 + 1))
+    return "\n" + text[:chars]
+
+
 def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, workers: int) -> None:
     calls = loops * args.turns
+    pad = padding(args.context_chars) if args.context_chars else ""
     with engine(tmp, args.call_s) as (engine_url, _):
         direct_s, direct = asyncio.run(
-            run_loops(lambda _: engine_url + "/v1/chat/completions", loops, args.turns)
+            run_loops(lambda _: engine_url + "/v1/chat/completions", loops, args.turns, pad)
         )
         direct_most = pace(engine_url)["most_in_flight"]
     with engine(tmp, args.call_s) as (engine_url, truth_path):
-        with front_end(tmp, engine_url, store, workers) as (front, source):
+        with front_end(tmp, engine_url, store, workers) as (front, source, pid):
             captured = lambda rollout: (  # noqa: E731
                 f"{front}/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
             )
-            tokcap_s, through = asyncio.run(run_loops(captured, loops, args.turns))
+            tokcap_s, through = asyncio.run(run_loops(captured, loops, args.turns, pad))
             most = pace(engine_url)["most_in_flight"]
+            rss = peak_rss_mb(pid)
             exact = asyncio.run(exact_rollouts(source, through, GroundTruth(truth_path)))
     errors = sum(error is not None for _, error in through)
     print(
         f"{store:5} x{workers} {loops:5} loops | direct {direct_s:6.1f} s "
         f"({calls / direct_s:6.1f} calls/s, {direct_most} at once) | tokcap {tokcap_s:6.1f} s "
         f"({calls / tokcap_s:6.1f} calls/s, {most} at once) | throughput x"
-        f"{direct_s / tokcap_s:.2f} | {errors} errors | {exact}/{loops} exact",
+        f"{direct_s / tokcap_s:.2f} | {errors} errors | {exact}/{loops} exact | front end "
+        f"peak RSS {rss:.0f} MB",
         flush=True,
     )
 
@@ -207,7 +242,7 @@ async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
 
 def latency(args: argparse.Namespace, tmp: Path) -> None:
     with engine(tmp, args.first_token_s, args.token_s) as (engine_url, _):
-        with front_end(tmp, engine_url, "file", 1) as (front, _):
+        with front_end(tmp, engine_url, "file", 1) as (front, _, _):
             path = "/v1/chat/completions"
             relayed = f"{front}/ng-rollout/first-delta/training-token-capture{path}"
             direct = asyncio.run(first_deltas(engine_url + path, args.stream_calls))
@@ -228,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", type=int, nargs="+", default=[100])
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--call-s", type=float, default=4.0)
+    parser.add_argument(
+        "--context-chars",
+        type=int,
+        default=0,
+        help="pad each loop's first message (400000: ~100k tokens)",
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=[1])
     parser.add_argument("--stores", nargs="+", default=["file"], choices=["file", "redis"])
     parser.add_argument("--stream-calls", type=int, default=20)
