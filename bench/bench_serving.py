@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -206,15 +207,17 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
             most = pace(engine_url)["most_in_flight"]
             rss = peak_rss_mb(pid)
             exact = asyncio.run(exact_rollouts(source, through, GroundTruth(truth_path)))
-    errors = sum(error is not None for _, error in through)
+    errors = Counter(error[:120] for _, error in through if error is not None)
     print(
         f"{store:5} x{workers} {loops:5} loops | direct {direct_s:6.1f} s "
         f"({calls / direct_s:6.1f} calls/s, {direct_most} at once) | tokcap {tokcap_s:6.1f} s "
         f"({calls / tokcap_s:6.1f} calls/s, {most} at once) | throughput x"
-        f"{direct_s / tokcap_s:.2f} | {errors} errors | {exact}/{loops} exact | front end "
+        f"{direct_s / tokcap_s:.2f} | {errors.total()} errors | {exact}/{loops} exact | front end "
         f"peak RSS {rss:.0f} MB",
         flush=True,
     )
+    for error, count in errors.most_common(3):
+        print(f"    {count} x {error}", flush=True)
 
 
 async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
