@@ -90,6 +90,7 @@ def call_entry(
         output_items=[dict(item) for item in items],
         token_item_index=len(items) - 1,
         overridden_sampling_keys=list(generation.overridden_keys),
+        created_at=time.time(),  # given: a default factory is looked up anew per construct
         **_clamp_field(generation),
         **generation.entry_fields,
     )

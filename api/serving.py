@@ -279,14 +279,19 @@ async def _settle(work: CallWork, request: Request, timeout: float | None) -> st
     """Wait for the work: "done", "gone" (the harness hung up first), "started" (its first
     delta came) or "waiting" (still running after ``timeout``)."""
     gone = asyncio.ensure_future(_disconnect(request))
-    started = asyncio.ensure_future(work.started.wait())
+    waiting = {work.task, gone}
+    # Only a relayed call has deltas to start it.
+    started = asyncio.ensure_future(work.started.wait()) if work.deltas is not None else None
+    if started is not None:
+        waiting.add(started)
     try:
         finished, _ = await asyncio.wait(
-            {work.task, gone, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
         gone.cancel()
-        started.cancel()
+        if started is not None:
+            started.cancel()
     if gone in finished:
         return "gone"
     if work.task in finished:
