@@ -106,13 +106,13 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def peak_rss_mb(pid: int) -> float:
-    """The summed peak resident memory (VmHWM) of a process tree, in MB."""
+def rss_mb(pid: int, field: str = "VmHWM") -> float:
+    """The summed resident memory of a process tree in MB: its peak (VmHWM) or now (VmRSS)."""
     total_kb = 0
     for member in process_tree(pid):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{member}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     total_kb += int(line.split()[1])
     return total_kb / 1024
 
@@ -203,9 +203,10 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
             captured = lambda rollout: (  # noqa: E731
                 f"{front}/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
             )
+            idle = rss_mb(pid, "VmRSS")
             tokcap_s, through = asyncio.run(run_loops(captured, loops, args.turns, pad))
             most = pace(engine_url)["most_in_flight"]
-            rss = peak_rss_mb(pid)
+            rss = rss_mb(pid)
             exact = asyncio.run(exact_rollouts(source, through, GroundTruth(truth_path)))
     errors = Counter(error[:120] for _, error in through if error is not None)
     print(
@@ -213,7 +214,7 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
         f"({calls / direct_s:6.1f} calls/s, {direct_most} at once) | tokcap {tokcap_s:6.1f} s "
         f"({calls / tokcap_s:6.1f} calls/s, {most} at once) | throughput x"
         f"{direct_s / tokcap_s:.2f} | {errors.total()} errors | {exact}/{loops} exact | front end "
-        f"peak RSS {rss:.0f} MB",
+        f"RSS {idle:.0f} MB idle, {rss:.0f} MB at peak",
         flush=True,
     )
     for error, count in errors.most_common(3):
