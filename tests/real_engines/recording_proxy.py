@@ -1,0 +1,111 @@
+"""A pass-through proxy between the front end and vLLM that keeps vLLM's replies.
+
+Streams are relayed chunk by chunk as they come (so the front end's relay and keep-alive
+see vLLM's own timing) and recorded once whole. Each chat or completions reply becomes one
+sampled sequence in the ground truth's shape: the prompt ids, the generated ids and their
+log-probs, as vLLM sent them (chat: ``logprobs.content``; completions: ``token_logprobs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from tests.support.servers import serve_app
+
+SAMPLING_PATHS = ("v1/chat/completions", "v1/completions")
+
+
+def _log_probs(choice: dict[str, Any]) -> list[float]:
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:
+        return [entry["logprob"] for entry in logprobs["content"] or []]
+    return list(logprobs.get("token_logprobs") or [])
+
+
+def sampled_sequence(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One reply (a whole body, or a stream's chunks in order) as what was sampled."""
+    prompt, ids, log_probs = None, [], []
+    for chunk in chunks:
+        prompt = chunk.get("prompt_token_ids") or prompt
+        for choice in chunk.get("choices") or []:
+            prompt = choice.get("prompt_token_ids") or prompt
+            ids += choice.get("token_ids") or []
+            log_probs += _log_probs(choice)
+    return {"prompt_token_ids": prompt, "token_ids": ids, "logprobs": log_probs}
+
+
+class RecordingProxy:
+    """The proxy's app and what it saw: ``sampled`` replies, ``streams`` streamed ones."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.sampled: list[dict[str, Any]] = []
+        self.streams = 0
+        self.paths: list[str] = []
+        self.url = ""
+        self.app = self._build_app()
+
+    def _record(self, chunks: list[dict[str, Any]]) -> None:
+        self.sampled.append(sampled_sequence(chunks))
+
+    def _build_app(self) -> FastAPI:
+        http = httpx.AsyncClient(base_url=self.engine, timeout=600)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            yield
+            await http.aclose()
+
+        app = FastAPI(lifespan=lifespan)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request) -> Response:
+            self.paths.append("/" + path)
+            upstream = http.build_request(
+                request.method,
+                "/" + path,
+                content=await request.body(),
+                headers={"content-type": request.headers.get("content-type", "application/json")},
+            )
+            reply = await http.send(upstream, stream=True)
+            kind = reply.headers.get("content-type", "")
+            sampling = path in SAMPLING_PATHS and reply.status_code == 200
+            if sampling and kind.startswith("text/event-stream"):
+                self.streams += 1
+                return StreamingResponse(self._relay(reply), media_type=kind)
+            body = await reply.aread()
+            await reply.aclose()
+            if sampling:
+                self._record([json.loads(body)])
+            return Response(body, status_code=reply.status_code, media_type=kind or None)
+
+        return app
+
+    async def _relay(self, reply: httpx.Response) -> AsyncIterator[bytes]:
+        chunks, pending = [], b""
+        try:
+            async for piece in reply.aiter_bytes():
+                yield piece
+                pending += piece
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data: {"):
+                        chunks.append(json.loads(line[len(b"data: ") :]))
+        finally:
+            await reply.aclose()
+        self._record(chunks)
+
+
+@contextlib.contextmanager
+def recording_proxy(engine: str) -> Iterator[RecordingProxy]:
+    proxy = RecordingProxy(engine)
+    with serve_app(proxy.app, ready_path="/health") as url:
+        proxy.url = url
+        yield proxy
