@@ -182,6 +182,18 @@ async def probe(settings: Any, prompts: FaithfulPrompts | None = None) -> Engine
             report = EngineReport(client.engine, client.where, None)
             report.warnings.append(f"probe skipped: {exc.message}")
             return report
-        raise EngineRefused(f"the probe call failed: {exc.message}") from exc
+        raise EngineRefused(f"the probe call failed: {exc.message}{_failure_hint(exc)}") from exc
     finally:
         await client.close()
+
+
+def _failure_hint(exc: UpstreamError) -> str:
+    """What an engine error on the probe's plain chat call usually means. vLLM 0.32 started
+    with ``--skip-tokenizer-init`` answers a chat call with a bare 500 (it can neither render
+    the messages nor detokenize), so the front end could not read a reply from it."""
+    if exc.status < 500:
+        return ""
+    return (
+        " (an engine that cannot answer a plain chat call cannot serve the harness: a vLLM "
+        "started with --skip-tokenizer-init does this; start it with its tokenizer)"
+    )

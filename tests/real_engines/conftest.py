@@ -13,6 +13,7 @@ be installed on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +35,13 @@ MODEL_NAME = "tiny-qwen3"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # Seconds a cold start may take (a compile cache is not used: --enforce-eager).
 START_TIMEOUT_S = 300
+PARSERS = (
+    "--reasoning-parser",
+    "qwen3",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
 
 
 def cache_root() -> Path:
@@ -91,8 +99,12 @@ def vllm_model() -> Path:
     return build_model(ensure_vllm())
 
 
-def vllm_command(python: Path, model: Path, port: int, *extra: str) -> list[str]:
-    """vLLM's OpenAI server as the README starts it, with the scripted-turns processor."""
+def vllm_command(
+    python: Path, model: Path, port: int, *extra: str, parsers: bool = True
+) -> list[str]:
+    """vLLM's OpenAI server as the README starts it, with the scripted-turns processor;
+    ``extra`` flags replace the processed log-probs mode (a probe test's own set-up), and
+    ``parsers`` adds Qwen3's reasoning and hermes tool parsers (they need the tokenizer)."""
     return [
         str(python),
         "-m",
@@ -112,14 +124,8 @@ def vllm_command(python: Path, model: Path, port: int, *extra: str) -> list[str]
         "--enforce-eager",
         "--logits-processors",
         "scripted_turns:ScriptedTurns",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--reasoning-parser",
-        "qwen3",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        *extra,
+        *(PARSERS if parsers else ()),
+        *(extra or ("--logprobs-mode", "processed_logprobs")),
     ]
 
 
@@ -127,11 +133,18 @@ def vllm_env() -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(HERE), "HF_HUB_OFFLINE": "1"}
 
 
+@contextlib.contextmanager
+def running_vllm(model: Path, *extra: str, parsers: bool = True) -> Iterator[str]:
+    """A vLLM server on a free port for the ``with`` block, stopped by PID; its base URL."""
+    port = free_port()
+    command = vllm_command(ensure_vllm(), model, port, *extra, parsers=parsers)
+    url = f"http://127.0.0.1:{port}"
+    with run_process(command, ready_url=url + "/health", env=vllm_env(), timeout=START_TIMEOUT_S):
+        yield url
+
+
 @pytest.fixture(scope="session")
 def vllm(vllm_model: Path) -> Iterator[str]:
     """One vLLM server for the session; its base URL."""
-    port = free_port()
-    command = vllm_command(ensure_vllm(), vllm_model, port)
-    url = f"http://127.0.0.1:{port}"
-    with run_process(command, ready_url=url + "/health", env=vllm_env(), timeout=START_TIMEOUT_S):
+    with running_vllm(vllm_model) as url:
         yield url

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -173,3 +174,22 @@ def test_the_tiny_models_tokenizer_is_the_real_qwen3_vocabulary(vllm_model: Path
     text = '<think>\nhm\n</think>\n\n<tool_call>\n{"a": 1}\n</tool_call><|im_end|> Héllo 12345'
     hf = Tokenizer.from_file(str(vllm_model / "tokenizer.json"))
     assert hf.encode(text, add_special_tokens=False).ids == qwen3_tokenizer().encode(text)
+
+
+def test_a_stream_is_kept_alive_while_vllm_prefills(vllm: str, tmp_path: Path) -> None:
+    """vLLM holds the call 3 s before its first token (the processor's slow prefill): the
+    stream opens and pings every 0.5 s, then relays vLLM's deltas, then the final event."""
+    slow = [{"role": "user", "content": "[slow prefill] hello"}]
+    request = {"model": "m", "max_tokens": 100, "messages": slow, "stream": True}
+    with (
+        recording_proxy(vllm) as proxy,
+        front_end(settings(proxy.url, tmp_path, keepalive_s=0.5)) as front,
+        httpx.stream(
+            "POST", base(front, "slow-1") + "/v1/messages", json=request, timeout=60
+        ) as response,
+    ):
+        names = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
+    first_delta = names.index("content_block_delta")
+    assert names[0] == "message_start" and names[:first_delta].count("ping") >= 3
+    assert names[-1] == "message_stop" and proxy.streams == 1
+    assert_entries_equal_ground_truth(freeze(tmp_path, "slow-1"), proxy.sampled)
