@@ -51,7 +51,8 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
 
 
 class Service:
-    """One ``python -m module`` child with its output in a log file."""
+    """One ``python -m module`` child with its output in a log file (``python``: another
+    interpreter, such as a venv of the engine's own)."""
 
     def __init__(
         self,
@@ -60,12 +61,13 @@ class Service:
         args: list[str],
         log_dir: Path,
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
     ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [python, "-m", module, *args],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -67,7 +67,9 @@ SCRIPT = {
 pytestmark = pytest.mark.timeout(600)
 
 
-def run_driver(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+def run_driver(
+    spec: dict[str, Any], workdir: Path, timeout: float = DRIVER_TIMEOUT_S
+) -> dict[str, Any]:
     """Run ``tests.support.claude_code_driver`` in a new network namespace; its summary."""
     spec_path = workdir / "spec.json"
     spec["summary"] = str(workdir / "summary.json")
@@ -82,11 +84,11 @@ def run_driver(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         start_new_session=True,
     )
     try:
-        output, _ = proc.communicate(timeout=DRIVER_TIMEOUT_S)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver's group: engine, front end, CLI
         output, _ = proc.communicate()
-        pytest.fail(f"the driver did not finish within {DRIVER_TIMEOUT_S}s:\n{output[-3000:]}")
+        pytest.fail(f"the driver did not finish within {timeout}s:\n{output[-3000:]}")
     summary_path = Path(spec["summary"])
     assert summary_path.exists(), f"driver exited {proc.returncode} without a summary:\n{output}"
     return json.loads(summary_path.read_text())

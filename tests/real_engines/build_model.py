@@ -33,7 +33,7 @@ def write_tokenizer(out: Path, tiktoken_file: str, added: list[list], pattern: s
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "model_max_length": 8192,
+        "model_max_length": 40960,
         "chat_template": template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
@@ -49,7 +49,7 @@ def write_weights(out: Path) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=8192,
+        max_position_embeddings=40960,  # a Claude Code request is tens of thousands
         tie_word_embeddings=True,
         bos_token_id=ENDOFTEXT,
         eos_token_id=IM_END,

@@ -99,34 +99,34 @@ def vllm_model() -> Path:
     return build_model(ensure_vllm())
 
 
-def vllm_command(
-    python: Path, model: Path, port: int, *extra: str, parsers: bool = True
+def vllm_args(
+    model: Path, *extra: str, parsers: bool = True, max_model_len: int = 8192
 ) -> list[str]:
-    """vLLM's OpenAI server as the README starts it, with the scripted-turns processor;
-    ``extra`` flags replace the processed log-probs mode (a probe test's own set-up), and
-    ``parsers`` adds Qwen3's reasoning and hermes tool parsers (they need the tokenizer)."""
+    """vLLM's OpenAI-server flags as the README gives them, with the scripted-turns
+    processor; ``extra`` flags replace the processed log-probs mode (a probe test's own
+    set-up), and ``parsers`` adds Qwen3's reasoning and hermes tool parsers (they need the
+    tokenizer)."""
     return [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",  # `vllm serve` needs the dist named vllm
         "--model",
         str(model),
         "--served-model-name",
         MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--dtype",
         "bfloat16",
         "--max-model-len",
-        "8192",
+        str(max_model_len),
         "--enforce-eager",
         "--logits-processors",
         "scripted_turns:ScriptedTurns",
         *(PARSERS if parsers else ()),
         *(extra or ("--logprobs-mode", "processed_logprobs")),
     ]
+
+
+def vllm_command(python: Path, port: int, args: list[str]) -> list[str]:
+    # ``vllm serve`` needs the distribution named vllm; the module takes the same flags.
+    server = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    return [*server, "--host", "127.0.0.1", "--port", str(port), *args]
 
 
 def vllm_env() -> dict[str, str]:
@@ -137,7 +137,7 @@ def vllm_env() -> dict[str, str]:
 def running_vllm(model: Path, *extra: str, parsers: bool = True) -> Iterator[str]:
     """A vLLM server on a free port for the ``with`` block, stopped by PID; its base URL."""
     port = free_port()
-    command = vllm_command(ensure_vllm(), model, port, *extra, parsers=parsers)
+    command = vllm_command(ensure_vllm(), port, vllm_args(model, *extra, parsers=parsers))
     url = f"http://127.0.0.1:{port}"
     with run_process(command, ready_url=url + "/health", env=vllm_env(), timeout=START_TIMEOUT_S):
         yield url

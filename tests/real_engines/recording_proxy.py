@@ -8,12 +8,16 @@ log-probs, as vLLM sent them (chat: ``logprobs.content``; completions: ``token_l
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -44,8 +48,9 @@ def sampled_sequence(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 class RecordingProxy:
     """The proxy's app and what it saw: ``sampled`` replies, ``streams`` streamed ones."""
 
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, log: Path | None = None) -> None:
         self.engine = engine
+        self.log = log  # where each sampled sequence is also appended, as a JSON line
         self.sampled: list[dict[str, Any]] = []
         self.streams = 0
         self.paths: list[str] = []
@@ -53,7 +58,11 @@ class RecordingProxy:
         self.app = self._build_app()
 
     def _record(self, chunks: list[dict[str, Any]]) -> None:
-        self.sampled.append(sampled_sequence(chunks))
+        sequence = sampled_sequence(chunks)
+        self.sampled.append(sequence)
+        if self.log is not None:
+            with self.log.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(sequence) + "\n")
 
     def _build_app(self) -> FastAPI:
         http = httpx.AsyncClient(base_url=self.engine, timeout=600)
@@ -109,3 +118,21 @@ def recording_proxy(engine: str) -> Iterator[RecordingProxy]:
     with serve_app(proxy.app, ready_path="/health") as url:
         proxy.url = url
         yield proxy
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.real_engines.recording_proxy --engine URL --port P --out FILE``:
+    the proxy as a process (the Claude Code test runs it inside its network namespace),
+    appending each sampled sequence to ``FILE`` as a JSON line as it completes."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    proxy = RecordingProxy(args.engine, Path(args.out))
+    uvicorn.run(proxy.app, host="127.0.0.1", port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

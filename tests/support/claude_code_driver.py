@@ -1,7 +1,8 @@
 """Runs one Claude Code rollout inside a loopback-only network namespace.
 
 Loopback in a new namespace is not the host's, so the engine and the front end are started
-here, inside it, next to the CLI; Redis is reached over its unix socket, which the
+here, inside it, next to the CLI (the engine: the tokcap engine, or vLLM itself behind a
+recording proxy); Redis is reached over its unix socket, which the
 filesystem shares across namespaces. The test starts this module with
 ``unshare -n`` (see ``claude_code.netns_command``) and reads back one JSON summary:
 the CLI's stream-json events, the engine's ground truth and the servers' log tails.
@@ -23,6 +24,9 @@ from tests.support.claude_code import run_claude
 from tokcap.processes import Service, free_port, wait_http
 
 SERVER_START_TIMEOUT_S = 90.0
+VLLM_START_TIMEOUT_S = 300.0
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+SAMPLED = "vllm_sampled.jsonl"  # what vLLM sampled, as the recording proxy logs it
 
 
 def _ground_truth(engine_url: str) -> Any:
@@ -32,6 +36,46 @@ def _ground_truth(engine_url: str) -> Any:
         return response.json()
     except (httpx.HTTPError, ValueError) as exc:
         return {"error": f"GET /tokcap/ground_truth failed: {exc}"}
+
+
+def _start_engine(spec: dict[str, Any], workdir: Path, port: int, servers: list[Service]) -> str:
+    """The engine the front end calls: the tokcap engine, or (``spec["vllm"]``) vLLM itself
+    behind a recording proxy that logs what it sampled. Returns the front end's upstream."""
+    engine_url = f"http://127.0.0.1:{port}"
+    vllm = spec.get("vllm")
+    if vllm is None:
+        args = ["--host", "127.0.0.1", "--port", str(port), *spec["engine_args"]]
+        engine = Service("engine", "engine.cli", args, workdir, spec.get("engine_env", {}))
+        servers.append(engine)
+        wait_http(engine_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=engine.proc)
+        return engine_url
+    args = ["--host", "127.0.0.1", "--port", str(port), *vllm["args"]]
+    engine = Service("engine", VLLM_MODULE, args, workdir, vllm["env"], python=vllm["python"])
+    servers.append(engine)
+    wait_http(engine_url + "/health", timeout=VLLM_START_TIMEOUT_S, proc=engine.proc)
+    recorder_port = free_port()
+    recorder_args = ["--engine", engine_url, "--port", str(recorder_port)]
+    recorder_args += ["--out", str(workdir / SAMPLED)]
+    recorder = Service("recorder", "tests.real_engines.recording_proxy", recorder_args, workdir)
+    servers.append(recorder)
+    recorder_url = f"http://127.0.0.1:{recorder_port}"
+    wait_http(recorder_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=recorder.proc)
+    return recorder_url
+
+
+def _clear_ground_truth(spec: dict[str, Any], workdir: Path, engine_url: str) -> None:
+    if spec.get("vllm") is not None:
+        (workdir / SAMPLED).unlink(missing_ok=True)
+    else:
+        httpx.delete(engine_url + "/tokcap/ground_truth", timeout=30).raise_for_status()
+
+
+def _read_ground_truth(spec: dict[str, Any], workdir: Path, engine_url: str) -> Any:
+    if spec.get("vllm") is None:
+        return _ground_truth(engine_url)
+    path = workdir / SAMPLED
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line]
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -46,15 +90,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         engine_port, frontend_port = free_port(), free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
         frontend_url = f"http://127.0.0.1:{frontend_port}"
-        engine = Service(
-            "engine",
-            "engine.cli",
-            ["--host", "127.0.0.1", "--port", str(engine_port), *spec["engine_args"]],
-            workdir,
-            spec.get("engine_env", {}),
-        )
-        servers.append(engine)
-        wait_http(engine_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=engine.proc)
+        upstream = _start_engine(spec, workdir, engine_port, servers)
         frontend = Service(
             "frontend",
             "api.serve_cli",
@@ -67,13 +103,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 str(frontend_port),
             ],
             workdir,
-            {"TOKCAP_UPSTREAM": engine_url, **spec.get("frontend_env", {})},
+            {"TOKCAP_UPSTREAM": upstream, **spec.get("frontend_env", {})},
         )
         servers.append(frontend)
         wait_http(frontend_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=frontend.proc)
         summary["servers_ready_s"] = round(time.monotonic() - started, 2)
         # The front end's start-up probe sampled too; the ground truth is the CLI's calls.
-        httpx.delete(engine_url + "/tokcap/ground_truth", timeout=30).raise_for_status()
+        _clear_ground_truth(spec, workdir, engine_url)
 
         base_url = f"{frontend_url}/ng-rollout/{spec['rollout_id']}/training-token-capture"
         claude_started = time.monotonic()
@@ -95,7 +131,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "events": claude.events,
             "stderr": claude.stderr,
         }
-        summary["ground_truth"] = _ground_truth(engine_url)
+        summary["ground_truth"] = _read_ground_truth(spec, workdir, engine_url)
     except Exception as exc:  # reported to the test, which fails with the logs attached
         summary["error"] = f"{type(exc).__name__}: {exc}"
     finally:

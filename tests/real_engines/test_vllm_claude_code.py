@@ -1,0 +1,94 @@
+"""The real Claude Code CLI through tokcap against vLLM itself (issue 23).
+
+The CLI runs in a loopback-only network namespace with vLLM, a recording proxy and the
+front end beside it (``tests.support.claude_code_driver``); the front end captures on a
+private Redis and a real ``tokcap worker`` rebuilds. The scripted-turns processor answers the
+CLI's first call with thinking and a hermes tool call to a tool the CLI does not have, which
+the CLI answers with an error result; the next call answers. Every delivered call must be
+exactly one of vLLM's replies, ids and log-probs, in one chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import claude_cli, netns, redis_socket, worker, worker_delivery
+from tests.e2e.test_claude_code_e2e import FRONTEND_CONFIG, describe, rebuild, run_driver
+from tests.real_engines.conftest import ensure_vllm, vllm_args, vllm_env
+from tests.support.claude_code import transcript_to_record
+
+__all__ = ["claude_cli", "netns", "redis_socket", "worker", "worker_delivery"]
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
+# The CLI's requests carry tens of thousands of tokens of tools and instructions.
+CONTEXT = 40960
+
+
+def token_items(result: dict[str, Any]) -> list[dict[str, Any]]:
+    output = result["response"]["output"]
+    return [i for i in output if isinstance(i, dict) and i.get("generation_token_ids")]
+
+
+def test_the_claude_code_cli_on_vllm_is_captured_as_vllm_sampled_it(
+    claude_cli: Path,
+    netns: None,
+    redis_socket: str,
+    worker: Any,
+    vllm_model: Path,
+    tmp_path: Path,
+) -> None:
+    rollout_id = f"cc-vllm-{uuid.uuid4().hex[:8]}"
+    spec = {
+        "cli": str(claude_cli),
+        "workdir": str(tmp_path),
+        "rollout_id": rollout_id,
+        "prompt": "List the files here.",
+        "model": "claude-sonnet-4-5",
+        "nonessential_traffic": False,
+        "vllm": {
+            "python": str(ensure_vllm()),
+            "args": vllm_args(vllm_model, max_model_len=CONTEXT),
+            "env": vllm_env(),
+        },
+        "frontend_config": str(FRONTEND_CONFIG),
+        "frontend_env": {"TOKCAP_REDIS_URL": redis_socket, "TOKCAP_MODEL": "tiny-qwen3"},
+        "claude_timeout": 400.0,
+        "env_extra": {"API_TIMEOUT_MS": "600000"},
+    }
+    summary = run_driver(spec, tmp_path, timeout=900.0)
+    assert "error" not in summary, describe(summary)
+    claude = summary["claude"]
+    assert claude["returncode"] == 0 and not claude["timed_out"], describe(summary)
+    events = claude["events"]
+    result_event = next(e for e in events if e.get("type") == "result")
+    assert result_event["is_error"] is False, describe(summary)
+    assert "The directory holds a.txt." in result_event["result"]
+    uses = [
+        block
+        for e in events
+        if e.get("type") == "assistant"
+        for block in e["message"]["content"]
+        if block.get("type") == "tool_use"
+    ]
+    assert [use["name"] for use in uses] == ["list_files"], "vLLM's hermes parser made the call"
+    sampled = summary["ground_truth"]
+    record = transcript_to_record(events, rollout_id, reward=1.0)
+    result = asyncio.run(rebuild(redis_socket, record))
+    capture = result["_ng_token_capture"]
+    assert result.get("mask_sample") is False, capture
+    assert capture["delivered_fraction"] == 1.0 and capture["chains"] == 1, capture
+    items = token_items(result)
+    assert len(items) == len(sampled) == 2, (len(items), len(sampled))
+    for item in items:
+        matches = [
+            s
+            for s in sampled
+            if s["prompt_token_ids"] == item["prompt_token_ids"]
+            and s["token_ids"] == item["generation_token_ids"]
+            and s["logprobs"] == item["generation_log_probs"]
+        ]
+        assert len(matches) == 1, "a delivered call is exactly one of vLLM's replies"
