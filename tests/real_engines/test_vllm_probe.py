@@ -1,8 +1,8 @@
 """The start-up probe against vLLM started wrong (issue 23): each refusal names the fix.
 
-Each case starts its own vLLM (about 45 s): the default raw log-probs, which the probe
-refuses only where the trainer's temperature is not 1, and ``--skip-tokenizer-init``, which
-leaves vLLM unable to answer a chat call at all.
+Each case starts its own vLLM (about 45 s): one with a key and the default raw log-probs
+(which the probe refuses only where the trainer's temperature is not 1), and one with
+``--skip-tokenizer-init``, which leaves vLLM unable to answer a chat call at all.
 """
 
 from __future__ import annotations
@@ -19,13 +19,21 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
-async def test_raw_log_probs_are_refused_at_another_temperature(vllm_model: Path) -> None:
+async def test_a_key_and_raw_log_probs_are_each_refused_with_their_fix(vllm_model: Path) -> None:
+    """One vLLM started with ``--api-key`` and its default raw log-probs: without the key the
+    probe names ``upstream_api_key`` (and never the key); with it, raw log-probs are refused
+    where the trainer samples at another temperature than 1, and accepted at 1."""
+    key = "sekrit-vllm-key"
     cooler = {**PINNED, "temperature": 0.7}
-    with running_vllm(vllm_model, "--logprobs-mode", "raw_logprobs") as url:
-        with pytest.raises(EngineRefused, match="--logprobs-mode processed_logprobs"):
-            await probe(ServerSettings(upstream=url, sampling_overrides=cooler))
-        report = await probe(ServerSettings(upstream=url, sampling_overrides=PINNED))
+    with running_vllm(vllm_model, "--logprobs-mode", "raw_logprobs", "--api-key", key) as url:
+        with pytest.raises(EngineRefused, match="upstream_api_key") as keyless:
+            await probe(ServerSettings(upstream=url, sampling_overrides=PINNED))
+        keyed = {"upstream": url, "upstream_api_key": key}
+        with pytest.raises(EngineRefused, match="--logprobs-mode processed_logprobs") as raw:
+            await probe(ServerSettings(**keyed, sampling_overrides=cooler))
+        report = await probe(ServerSettings(**keyed, sampling_overrides=PINNED))
     assert report.family == "vllm" and report.warnings == []
+    assert key not in str(keyless.value) and key not in str(raw.value)
 
 
 async def test_a_vllm_without_its_tokenizer_is_refused(vllm_model: Path) -> None:
