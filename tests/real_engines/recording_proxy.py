@@ -98,18 +98,22 @@ class RecordingProxy:
         return app
 
     async def _relay(self, reply: httpx.Response) -> AsyncIterator[bytes]:
+        """vLLM's stream, piece by piece; recorded once it ended, also when the client
+        closes the connection right after the last piece (which ends this generator at
+        its ``yield``)."""
         chunks, pending = [], b""
         try:
             async for piece in reply.aiter_bytes():
-                yield piece
                 pending += piece
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
                     if line.startswith(b"data: {"):
                         chunks.append(json.loads(line[len(b"data: ") :]))
+                yield piece
         finally:
+            if chunks:
+                self._record(chunks)
             await reply.aclose()
-        self._record(chunks)
 
 
 @contextlib.contextmanager
