@@ -399,9 +399,11 @@ class Relay:
             self.items.append(item)
             self.kind = kind
             index = len(self.items) - 1
-            emitted.append(_emit("response.output_item.added", output_index=index, item=item))
+            # A copy, emptied: this delta goes on to fill the item before it is sent.
+            added = _item_added(item)
+            emitted.append(_emit("response.output_item.added", output_index=index, item=added))
             if item["type"] == "message":
-                part = {"type": "output_text", "text": "", "annotations": []}
+                part = {**item["content"][0], "text": ""}
                 at = {"item_id": item["id"], "output_index": index, "content_index": 0}
                 emitted.append(_emit("response.content_part.added", **at, part=part))
         return self.items[-1], {

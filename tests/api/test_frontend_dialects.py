@@ -310,6 +310,9 @@ def test_responses_relay_opens_an_item_per_kind_and_completes_with_their_ids() -
     assert name == "response.completed"
     output = completed["response"]["output"]
     assert [item["id"] for item in added] == [item["id"] for item in done]
+    # Added empty: the content comes as deltas (an SDK appends them to what was added).
+    assert [item.get("content") for item in added[:2]] == [[], []]
+    assert [item["arguments"] for item in added[2:]] == ["", ""]
     assert [item["id"] for item in added] == [item["id"] for item in captured]
     assert output == captured
     assert done[-1] == output[-1] and output[2]["arguments"] == '{"command": "ls"}'
