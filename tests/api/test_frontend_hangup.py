@@ -165,12 +165,12 @@ def test_a_long_generation_reaches_a_client_with_a_short_read_timeout(
     assert message.stop_reason == "end_turn" and message.content[-1].type == "text"
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert response.status == "completed"
-    entries = asyncio.run(_peek(tmp_path, "slow-1"))
+    entries = asyncio.run(peek_entries(tmp_path, "slow-1"))
     assert [e.generation_token_ids for e in entries] == [t["token_ids"] for t in truth]
     assert len(entries) == 3
 
 
-async def _peek(store_dir: Path, rollout: str) -> list[Any]:
+async def peek_entries(store_dir: Path, rollout: str) -> list[Any]:
     store = TokenCaptureStore(store_dir)
     try:
         return await store.peek(rollout)

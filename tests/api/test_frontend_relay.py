@@ -19,8 +19,13 @@ import httpx
 import openai
 import pytest
 
-from capture.filestore.store import TokenCaptureStore
-from tests.api.test_frontend_hangup import metric, send_and_hang_up, settings, wait_for
+from tests.api.test_frontend_hangup import (
+    metric,
+    peek_entries,
+    send_and_hang_up,
+    settings,
+    wait_for,
+)
 from tests.support.frontend import engine_server, front_end, inspect, run
 
 FIRST_S, TOKEN_S = 0.4, 0.05
@@ -34,14 +39,6 @@ def paced(**extra: Any) -> Any:
 
 def base(front: str, rollout: str) -> str:
     return f"{front}/ng-rollout/{rollout}/training-token-capture"
-
-
-async def _entries(store_dir: Path, rollout: str) -> list[Any]:
-    store = TokenCaptureStore(store_dir)
-    try:
-        return await store.peek(rollout)
-    finally:
-        await store.close()
 
 
 def ground_truth(engine: str) -> list[dict[str, Any]]:
@@ -65,7 +62,7 @@ def test_anthropic_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> N
     assert arrivals[0] < FIRST_S + 0.5, f"first delta at {arrivals[0]:.2f} s of {total:.2f} s"
     assert len(arrivals) >= generated // 2, "deltas one by one, not one at the end"
     assert message.stop_reason == "end_turn"
-    (entry,) = run(_entries(tmp_path, "relay-a"))
+    (entry,) = run(peek_entries(tmp_path, "relay-a"))
     assert entry.generation_token_ids == truth["token_ids"]
     assert list(entry.prompt_token_ids) == truth["prompt_token_ids"]
     assert entry.generation_log_probs == pytest.approx(truth["logprobs"])
@@ -87,7 +84,7 @@ def test_chat_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> None:
         (truth,) = ground_truth(engine)
     assert arrivals[0] < FIRST_S + 0.5 < total
     assert len(arrivals) > 3
-    (entry,) = run(_entries(tmp_path, "relay-c"))
+    (entry,) = run(peek_entries(tmp_path, "relay-c"))
     assert entry.generation_token_ids == truth["token_ids"]
     assert "".join(text) == (truth.get("content") or "")
 
@@ -153,7 +150,7 @@ def test_responses_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> N
     assert final.output_text == (first.get("content") or "")
     assert arrivals[0] < FIRST_S + 0.5 < total
     assert len(arrivals) >= len(second["token_ids"]) // 2, "deltas one by one"
-    entries = run(_entries(tmp_path, "relay-r"))
+    entries = run(peek_entries(tmp_path, "relay-r"))
     assert [e.generation_token_ids for e in entries] == [first["token_ids"], second["token_ids"]]
 
 
@@ -188,5 +185,5 @@ def test_what_is_not_relayed_is_kept_alive_then_sent_whole(tmp_path: Path, case:
     content = [n for n, line in enumerate(lines) if line == "event: content_block_delta"]
     assert len(kept) >= 2 and max(kept) < min(content), "kept alive, then the reply whole"
     assert lines[-2] == "event: message_stop"
-    (entry,) = run(_entries(tmp_path, "whole-1"))
+    (entry,) = run(peek_entries(tmp_path, "whole-1"))
     assert entry.generation_token_ids == truth["token_ids"]

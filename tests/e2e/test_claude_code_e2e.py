@@ -109,6 +109,17 @@ def describe(summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def session_events(summary: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The CLI's events and its result event, once the session ran and ended without error."""
+    assert "error" not in summary, describe(summary)
+    claude = summary["claude"]
+    assert claude["returncode"] == 0 and not claude["timed_out"], describe(summary)
+    events = claude["events"]
+    result_event = next(e for e in events if e.get("type") == "result")
+    assert result_event["is_error"] is False, describe(summary)
+    return events, result_event
+
+
 async def rebuild(redis_url: str, record: dict[str, Any]) -> dict[str, Any]:
     """Submit the record as a job and wait for its rebuilt record on the results stream."""
     from transports.rebuild.jobs import RebuildQueue
@@ -186,12 +197,7 @@ def run_rollout(
         "env_extra": env_extra or {},
     }
     summary = run_driver(spec, workdir)
-    assert "error" not in summary, describe(summary)
-    claude = summary["claude"]
-    assert claude["returncode"] == 0 and not claude["timed_out"], describe(summary)
-    events = claude["events"]
-    result_event = next(e for e in events if e.get("type") == "result")
-    assert result_event["is_error"] is False, describe(summary)
+    events, _ = session_events(summary)
     assert final_answer(events) == FINAL_TEXT
     # The transcript went through the tool: the Bash call ran and printed hello.
     tool_results = [
