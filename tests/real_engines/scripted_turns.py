@@ -3,13 +3,15 @@
 Loaded by vLLM itself (``--logits-processors scripted_turns:ScriptedTurns``, with this folder
 on its ``PYTHONPATH``), through the logits-processor interface of vLLM's v1 model runner,
 which its CPU runner uses (``vllm.v1.sample.logits_processor.LogitsProcessor``, followed:
-vLLM 0.32.0). Every request gets a scripted reply chosen from its prompt ids: with tools on
-offer and no tool result yet, thinking and one hermes tool call; otherwise thinking and a
-final answer. A prompt that holds ``[slow prefill]`` is held ``SLOW_PREFILL_S`` before its
-first token, as a long prefill under load would hold it. At each step the scripted token's logit is lifted far above the rest, so the
-engine samples it and its log-prob stays the model's own (processed) value, a hair below
-zero; after the script, the end-of-turn token. vLLM's reasoning and tool parsers, its
-stream and its id and log-prob fields then all run on real output.
+vLLM 0.32.0). Every request gets a scripted reply chosen from its prompt: with tools on
+offer and no tool result yet, thinking and one hermes tool call; after a tool result,
+thinking and a final answer; otherwise thinking and a greeting (another one after an
+earlier reply, so a chat's turns differ). A prompt that holds ``[slow prefill]`` is held
+``SLOW_PREFILL_S`` before its first token, as a long prefill under load would hold it. At
+each step the scripted token's logit is lifted far above the rest, so the engine samples it
+and its log-prob stays the model's own (processed) value, a hair below zero; after the
+script, the end-of-turn token. vLLM's reasoning and tool parsers, its stream and its id and
+log-prob fields then all run on real output.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ CALL_TOOL = (
 )
 ANSWER = "<think>\nThe tool has answered; I can reply now.\n</think>\n\nThe directory holds a.txt."
 GREETING = "<think>\nA greeting needs no tool.\n</think>\n\nHello from the tiny model."
+AGAIN = "<think>\nWe spoke before.\n</think>\n\nHello again from the tiny model."
+ASSISTANT_TURN = "<|im_start|>assistant"
 
 
 class ScriptedTurns(LogitsProcessor):
@@ -47,7 +51,12 @@ class ScriptedTurns(LogitsProcessor):
         self.tokenizer = tokenizer
         self.scripts = {
             name: tokenizer.encode(text, add_special_tokens=False).ids
-            for name, text in (("call", CALL_TOOL), ("answer", ANSWER), ("greet", GREETING))
+            for name, text in (
+                ("call", CALL_TOOL),
+                ("answer", ANSWER),
+                ("greet", GREETING),
+                ("again", AGAIN),
+            )
         }
         # batch row -> (the scripted ids, the request's running output ids, held yet)
         self.rows: dict[int, tuple[list[int], list[int], list[bool]]] = {}
@@ -55,15 +64,17 @@ class ScriptedTurns(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False
 
-    def _script(self, prompt: list[int] | None) -> list[int]:
-        prompt = prompt or []
+    def _script(self, prompt: list[int], text: str) -> list[int]:
         if TOOL_RESPONSE in prompt:
             return self.scripts["answer"]
-        return self.scripts["call" if TOOL_CALL in prompt else "greet"]
+        if TOOL_CALL in prompt:
+            return self.scripts["call"]
+        # The prompt ends with the turn to write: more than one means an earlier reply.
+        return self.scripts["again" if text.count(ASSISTANT_TURN) > 1 else "greet"]
 
     def _row(self, prompt: list[int] | None, output: list[int]) -> tuple[Any, ...]:
-        slow = SLOW_MARK in self.tokenizer.decode(prompt or [], skip_special_tokens=False)
-        return self._script(prompt), output, [slow]
+        text = self.tokenizer.decode(prompt or [], skip_special_tokens=False)
+        return self._script(prompt or [], text), output, [SLOW_MARK in text]
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(

@@ -115,13 +115,13 @@ def freeze(store_dir: Path, rollout_id: str) -> TokenCaptureSnapshot:
 
 
 def finalize(
-    store_dir: Path, rollout_id: str, output: list[dict[str, Any]]
+    store_dir: Path, rollout_id: str, output: list[dict[str, Any]], delivery: str = "chain"
 ) -> tuple[dict, RolloutBuild]:
     """Rebuild the rollout as a trainer would; returns (the record, the build)."""
     record = {"_ng_rollout_id": rollout_id, "response": {"output": output}}
 
     async def work(store: TokenCaptureStore) -> RolloutBuild:
-        return await finalize_rollout_token_capture(record, store)
+        return await finalize_rollout_token_capture(record, store, delivery=delivery)
 
     return record, run(_with_store(store_dir, work))
 
