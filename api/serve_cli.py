@@ -133,7 +133,7 @@ def _checked_settings(
         )
     prompts = faithful_prompts(settings)  # a renderer that cannot load fails here
     if prompts is not None:
-        capture += f"; faithful prompts: {settings.renderer_name} on {settings.renderer_tokenizer}"
+        capture += f"; faithful prompts: {settings.renderer.name} on {settings.renderer.tokenizer}"
     return settings, capture, prompts
 
 

@@ -2,20 +2,20 @@
 
 The document's ``model_server`` block holds this server's own keys (upstream URL, the model
 name sent upstream, sampling overrides, the body limit); its ``token_id_capture`` block is
-read by ``capture.config``. Unknown keys in ``model_server`` are a startup error, like a typo
-in the capture block. Environment variables override the file so one YAML serves many hosts.
+read by ``capture.config``. ``ServerSettings`` is that block's one model: the YAML, the
+``TOKCAP_*`` environment overrides (so one YAML serves many hosts) and a test's keywords are
+all validated by it, once; an unknown key is a startup error, like a typo in the capture block.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from api.engines import ENGINES
+from api.engines import engine_family
 from capture.config import TokenIdCaptureConfig, find_capture_block, load_document
 from capture.context import DEFAULT_CAPTURE_TIMEOUT_S
 from capture.errors import ConfigError
@@ -32,132 +32,129 @@ DEFAULT_KEEPALIVE_S = 5.0
 # Connections to the engine open at once, per worker; 0: no limit, so every call the
 # harnesses send reaches the engine's own queue (the engine admits them, not tokcap).
 DEFAULT_UPSTREAM_CONNECTIONS = 0
-# Environment overrides: variable -> settings field.
 ENV_CONFIG = "TOKCAP_CONFIG"
-ENV_OVERRIDES = {
-    "TOKCAP_UPSTREAM": "upstream",
-    "TOKCAP_MODEL": "model",
-    "TOKCAP_MAX_BODY_BYTES": "max_body_bytes",
-    "TOKCAP_MAX_INFLIGHT_BYTES": "max_inflight_bytes",
-    "TOKCAP_ENGINE": "engine",
-    "TOKCAP_UPSTREAM_API_KEY": "upstream_api_key",
-    "TOKCAP_PROMPTS": "prompts",
-    "TOKCAP_RENDERER": "renderer_name",
-    "TOKCAP_RENDERER_TOKENIZER": "renderer_tokenizer",
-    "TOKCAP_AUTH_SECRET": "auth_secret",
-    "TOKCAP_DOCS": "docs",
-    "TOKCAP_KEEPALIVE_S": "keepalive_s",
-    "TOKCAP_UPSTREAM_CONNECTIONS": "upstream_connections",
+# Environment overrides: variable -> the key it sets in the block (a nested key: two names).
+ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "TOKCAP_UPSTREAM": ("upstream",),
+    "TOKCAP_MODEL": ("model",),
+    "TOKCAP_MAX_BODY_BYTES": ("max_body_bytes",),
+    "TOKCAP_MAX_INFLIGHT_BYTES": ("max_inflight_bytes",),
+    "TOKCAP_ENGINE": ("engine",),
+    "TOKCAP_UPSTREAM_API_KEY": ("upstream_api_key",),
+    "TOKCAP_PROMPTS": ("prompts",),
+    "TOKCAP_AUTH_SECRET": ("auth_secret",),
+    "TOKCAP_DOCS": ("docs",),
+    "TOKCAP_KEEPALIVE_S": ("keepalive_s",),
+    "TOKCAP_UPSTREAM_CONNECTIONS": ("upstream_connections",),
+    "TOKCAP_RENDERER": ("renderer", "name"),
+    "TOKCAP_RENDERER_TOKENIZER": ("renderer", "tokenizer"),
 }
-PROMPT_MODES = ("text", "faithful")
-INTEGER_SETTINGS = ("max_body_bytes", "max_inflight_bytes", "upstream_connections")
-FLOAT_SETTINGS = ("keepalive_s",)
-BOOLEAN_SETTINGS = ("docs",)
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-class RendererBlock(BaseModel):
+class InvalidSettings(ConfigError):
+    """A ``model_server`` block that does not validate: each problem as ``key: why`` (or the
+    variable that set the key), never the value, which may be a secret."""
+
+    def __init__(
+        self, problems: list[tuple[tuple[Any, ...], str]], names: Mapping[Any, str] | None = None
+    ) -> None:
+        self.problems = problems
+        named = names or {}
+        found = [
+            f"{named.get(loc) or '.'.join([SERVER_KEY, *map(str, loc)])}: {why}"
+            for loc, why in problems
+        ]
+        super().__init__(f"invalid model server config: {'; '.join(found)}")
+
+    @classmethod
+    def of(cls, exc: ValidationError) -> InvalidSettings:
+        return cls([(e["loc"], e["msg"].removeprefix("Value error, ")) for e in exc.errors()])
+
+
+class RendererSettings(BaseModel):
     """``model_server.renderer``: what faithful prompts are rendered with."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = "qwen3"  # a renderer of the ``renderers`` package
     tokenizer: str | None = None  # qwen3, or a local tokenizer file or directory
     thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
 
 
-class ModelServerBlock(BaseModel):
-    """The ``model_server`` block as written in the YAML."""
+class ServerSettings(BaseModel):
+    """The ``model_server`` block, validated once: what ``create_app``, ``tokcap serve`` and
+    the probe read. The capture settings come from the ``token_id_capture`` block."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    upstream: str = "http://127.0.0.1:8001"  # tokcap engine's default port
-    model: str | None = None
-    sampling_overrides: dict[str, Any] = Field(default_factory=dict)
-    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
-    max_inflight_bytes: int = Field(default=DEFAULT_MAX_INFLIGHT_BYTES, gt=0)
-    body_timeout_s: float = Field(default=30.0, gt=0)
-    upstream_timeout_s: float = Field(default=600.0, gt=0)
-    upstream_connections: int = Field(default=DEFAULT_UPSTREAM_CONNECTIONS, ge=0)
-    keepalive_s: float = Field(default=DEFAULT_KEEPALIVE_S, gt=0)
-    vocab_size: int | None = Field(default=None, gt=0)
-    capture_timeout_s: float = Field(default=DEFAULT_CAPTURE_TIMEOUT_S, gt=0)
-    engine: Literal["auto", "vllm", "sglang"] = "auto"
-    upstream_api_key: str | None = Field(default=None, repr=False)
-    prompts: Literal["text", "faithful"] = "text"
-    renderer: RendererBlock = Field(default_factory=RendererBlock)
-    auth_secret: str | None = Field(default=None, repr=False)
-    docs: bool = False
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """Everything ``create_app`` needs; the sink comes from the capture config."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     upstream: str = "http://127.0.0.1:8001"  # tokcap engine's default port
     # Model name sent upstream; None asks the upstream's /v1/models once.
     model: str | None = None
-    sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    sampling_overrides: dict[str, Any] = Field(default_factory=dict)
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
     # 503 (retry) while the bodies in flight would exceed it; at least max_body_bytes.
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
-    body_timeout_s: float = 30.0  # a body not received by then is cut with a 408
-    upstream_timeout_s: float = 600.0
+    max_inflight_bytes: int = Field(default=DEFAULT_MAX_INFLIGHT_BYTES, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)  # a body not in by then is cut (408)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
     # Connections to the engine per worker (0: no limit; see DEFAULT_UPSTREAM_CONNECTIONS).
-    upstream_connections: int = DEFAULT_UPSTREAM_CONNECTIONS
+    upstream_connections: int = Field(default=DEFAULT_UPSTREAM_CONNECTIONS, ge=0)
     # A streamed call not done by then opens its stream and is kept alive this often.
-    keepalive_s: float = DEFAULT_KEEPALIVE_S
+    keepalive_s: float = Field(default=DEFAULT_KEEPALIVE_S, gt=0)
     # The model's vocabulary size; when set, an upstream id at or beyond it is not captured.
-    vocab_size: int | None = None
+    vocab_size: int | None = Field(default=None, gt=0)
     # How long a call waits for its entry, or its loss, to become durable before the
     # harness is answered 503 instead of the reply.
-    capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S
+    capture_timeout_s: float = Field(default=DEFAULT_CAPTURE_TIMEOUT_S, gt=0)
     # The engine family whose wire format the upstream speaks; auto asks it at the first call.
     engine: str = "auto"
     # Sent as Authorization: Bearer to the upstream; never shown (not even in this repr).
-    upstream_api_key: str | None = field(default=None, repr=False)
+    upstream_api_key: str | None = Field(default=None, repr=False)
     # text: the engine renders the harness's messages; faithful: the front end renders
-    # them with ``renderer_name`` on ``renderer_tokenizer`` and calls the engine token-in.
-    prompts: str = "text"
-    renderer_name: str = "qwen3"
-    renderer_tokenizer: str | None = None
-    thinking_retention: str = "all"
+    # them with ``renderer`` and calls the engine token-in.
+    prompts: Literal["text", "faithful"] = "text"
+    renderer: RendererSettings = Field(default_factory=RendererSettings)
     # When set, every path but the probes (/, /v1, /health, /ready, /metrics) needs a key:
     # this secret, or on a rollout's own paths that rollout's token (``capture.rollout_token``).
     # Never shown, like upstream_api_key.
-    auth_secret: str | None = field(default=None, repr=False)
+    auth_secret: str | None = Field(default=None, repr=False)
     # Serve /docs, /redoc and /openapi.json; off by default, the schema is no one's business.
     docs: bool = False
-    capture: TokenIdCaptureConfig = field(default_factory=TokenIdCaptureConfig)
+    capture: TokenIdCaptureConfig = Field(default_factory=TokenIdCaptureConfig)
 
-    def __post_init__(self) -> None:
-        if self.prompts not in PROMPT_MODES:
-            raise ConfigError(
-                f"model_server.prompts must be text or faithful, not {self.prompts!r}"
+    def __init__(self, **fields: Any) -> None:
+        try:
+            super().__init__(**fields)
+        except ValidationError as exc:
+            raise InvalidSettings.of(exc) from None
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        return engine_family(engine)
+
+    @field_validator("auth_secret")
+    @classmethod
+    def _long_secret(cls, secret: str | None) -> str | None:
+        if secret is not None and len(secret) < 16:
+            raise ValueError(
+                "must be at least 16 characters (a rollout token is only as hard to forge "
+                "as the secret is to guess); leave it unset for no keys"
             )
-        if self.prompts == "faithful" and not self.renderer_tokenizer:
-            raise ConfigError(
-                "model_server.prompts: faithful needs model_server.renderer.tokenizer "
+        return secret
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerSettings:
+        if self.prompts == "faithful" and not self.renderer.tokenizer:
+            raise ValueError(
+                "prompts: faithful needs model_server.renderer.tokenizer "
                 "(qwen3, or a local tokenizer file or directory)"
             )
-        if self.engine not in ENGINES:
-            raise ConfigError(
-                f"model_server.engine must be one of {', '.join(ENGINES)}, not {self.engine!r}"
-            )
-        if self.auth_secret is not None and len(self.auth_secret) < 16:
-            raise ConfigError(
-                "model_server.auth_secret must be at least 16 characters (a rollout token is "
-                "only as hard to forge as the secret is to guess); leave it unset for no keys"
-            )
-        if self.keepalive_s <= 0 or self.upstream_connections < 0:
-            raise ConfigError(
-                "model_server.keepalive_s must be > 0 and upstream_connections >= 0 (0: no limit)"
-            )
         if self.max_inflight_bytes < self.max_body_bytes:
-            raise ConfigError(
+            raise ValueError(
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
                 f"max_body_bytes ({self.max_body_bytes}), or no body of the largest size fits"
             )
+        return self
 
     def build_sink(self) -> TokenSink | None:
         """A new sink for this worker, or None when capture is off or names no store."""
@@ -170,49 +167,43 @@ class ServerSettings:
         block = document.get(SERVER_KEY) or {}
         if not isinstance(block, Mapping):
             raise ConfigError(f"{SERVER_KEY} must be a mapping, got {type(block).__name__}")
-        try:
-            server = ModelServerBlock.model_validate(dict(block))
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{SERVER_KEY}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                for e in exc.errors()
-            )
-            raise ConfigError(f"invalid model server config: {problems}") from None
+        if "capture" in block:
+            raise ConfigError(f"{SERVER_KEY}.capture: token capture is set in token_id_capture")
         where, capture_block = find_capture_block(document)
         capture = TokenIdCaptureConfig.from_block(capture_block, where or "token_id_capture")
-        fields = server.model_dump(exclude={"renderer"})
-        fields.update(
-            renderer_name=server.renderer.name,
-            renderer_tokenizer=server.renderer.tokenizer,
-            thinking_retention=server.renderer.thinking_retention,
-        )
-        settings = cls(capture=capture, **fields)
-        return settings.with_environment(os.environ if environ is None else environ)
+        return cls._validated({str(k): v for k, v in block.items()}, capture, environ)
 
     def with_environment(self, environ: Mapping[str, str]) -> ServerSettings:
-        """A copy with the TOKCAP_* environment overrides applied."""
-        changes: dict[str, Any] = {}
-        for variable, name in ENV_OVERRIDES.items():
-            value = environ.get(variable)
-            if not value:
-                continue
-            if name in INTEGER_SETTINGS:
-                try:
-                    changes[name] = int(value)
-                except ValueError:
-                    raise ConfigError(f"{variable} must be an integer, got {value!r}") from None
-            elif name in FLOAT_SETTINGS:
-                try:
-                    changes[name] = float(value)
-                except ValueError:
-                    raise ConfigError(f"{variable} must be a number, got {value!r}") from None
-            elif name in BOOLEAN_SETTINGS:
-                if value.lower() not in TRUE_WORDS + FALSE_WORDS:
-                    raise ConfigError(f"{variable} must be 1 or 0, got {value!r}")
-                changes[name] = value.lower() in TRUE_WORDS
-            else:
-                changes[name] = value
-        return replace(self, **changes) if changes else self
+        """A copy with the TOKCAP_* environment overrides applied, validated again."""
+        fields = self.model_dump(exclude={"capture"}, exclude_defaults=True)
+        return ServerSettings._validated(fields, self.capture, environ)
+
+    @classmethod
+    def _validated(
+        cls, block: dict[str, Any], capture: TokenIdCaptureConfig, environ: Mapping[str, str] | None
+    ) -> ServerSettings:
+        """The block with the environment's overrides, validated once; an error names the
+        variable that set a bad value."""
+        environ = os.environ if environ is None else environ
+        names = {path: var for var, path in ENV_OVERRIDES.items() if environ.get(var)}
+        try:
+            return cls(**_with_environment(block, environ), capture=capture)
+        except InvalidSettings as exc:
+            raise InvalidSettings(exc.problems, names) from None
+
+
+def _with_environment(block: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The block with each set TOKCAP_* variable's value in its key (validated with it)."""
+    for variable, path in ENV_OVERRIDES.items():
+        value = environ.get(variable)
+        if not value:
+            continue
+        if len(path) == 1:
+            block[path[0]] = value
+        else:
+            nested = block.get(path[0])
+            block[path[0]] = {**(nested if isinstance(nested, Mapping) else {}), path[1]: value}
+    return block
 
 
 def settings_from_environment(environ: Mapping[str, str] | None = None) -> ServerSettings:

@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from api import jsonbytes
 from api.engine_http import TRANSPORT_ERRORS, EngineHTTP
-from api.engines import ADAPTERS, family_of_models
+from api.engines import ADAPTERS, engine_family, family_of_models
 from api.engines.vllm_stream import (
     RELAY_SINCE,
     STREAM_PARAMS,
@@ -144,15 +144,13 @@ class UpstreamClient:
     ) -> None:
         if vocab_size is not None and vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive integer or None, not {vocab_size}")
-        if engine != "auto" and engine not in ADAPTERS:
-            raise ValueError(f"engine must be auto, {' or '.join(ADAPTERS)}; not {engine!r}")
         bare_url, basic_auth = without_credentials(base_url)
         self.base_url = re.sub(r"/v1/?$", "", bare_url.rstrip("/"))
         self.where = where(self.base_url)
         self.model = model
         self.sampling_overrides = dict(sampling_overrides or {})
         self.vocab_size = vocab_size
-        self.engine = engine  # "auto" until the first call names the family
+        self.engine = engine_family(engine)  # "auto" until the first call names the family
         # A key wins over the URL's user and password.
         authorization = f"Bearer {api_key}" if api_key else basic_auth
         headers = {"authorization": authorization} if authorization else {}

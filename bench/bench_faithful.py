@@ -38,7 +38,7 @@ SERVING: dict[str, tuple[dict[str, Any], bool]] = {
     "tool-call JSON re-serialized": ({"json_reserialize": True}, False),
     "all three": ({"noncanonical_rate": 0.05, "json_reserialize": True}, True),
 }
-MODES = {"text": {}, "faithful": {"prompts": "faithful", "renderer_tokenizer": "qwen3"}}
+MODES = {"text": {}, "faithful": {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}}
 
 
 async def _figures(store_dir: Path, loops: list, truth: Path) -> Figures:

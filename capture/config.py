@@ -15,13 +15,14 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from capture.build.segments import Delivery
 from capture.errors import ConfigError
 from capture.protocols import SINK_METHODS, missing_methods
 
@@ -48,7 +49,7 @@ class TokenIdCaptureConfig(BaseModel):
     rebuild_response: bool = True
     max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     # chain: the main chain only; segments: every other chain too, under _ng_token_segments.
-    delivery: Literal["chain", "segments"] = "chain"
+    delivery: Delivery = "chain"
     # A rollout that delivers a smaller share of what it sampled is masked (null: never).
     min_delivered_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
 

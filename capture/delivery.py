@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from capture.build.builder import BuildResult, run_builder
-from capture.build.segments import SEGMENTS_KEY
+from capture.build.segments import SEGMENTS_KEY, Delivery
 from capture.errors import InvalidRolloutIdError, TokenCaptureError, UnconfirmedWriteError
 from capture.records import TOKEN_FIELDS, TokenCaptureSnapshot
 from capture.rollout_ids import rollout_id_from_run_body, validate_rollout_id
@@ -183,7 +183,7 @@ async def finalize_rollout_token_capture(
     source: Any,
     *,
     rollout_id: str | None = None,
-    delivery: str = "chain",
+    delivery: Delivery = "chain",
     min_delivered_fraction: float | None = None,
 ) -> RolloutBuild:
     """Freeze, rebuild and attach the rollout's tokens to ``result``; never raises.

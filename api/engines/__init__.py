@@ -11,9 +11,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.engines import sglang, vllm
+from capture.errors import ConfigError
 
 ADAPTERS = {"vllm": vllm, "sglang": sglang}
 ENGINES = ("auto", *ADAPTERS)
+
+
+def engine_family(engine: str) -> str:
+    """``engine`` when it names a family this front end speaks (or ``auto``)."""
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    return engine
 
 
 def family_of_models(models: list[Mapping[str, Any]]) -> str | None:

@@ -159,6 +159,6 @@ def faithful_prompts(settings: Any) -> FaithfulPrompts | None:
     from api.prompts.renderer import load_renderer
 
     renderer, vocab = load_renderer(
-        settings.renderer_name, settings.renderer_tokenizer, settings.thinking_retention
+        settings.renderer.name, settings.renderer.tokenizer, settings.renderer.thinking_retention
     )
     return FaithfulPrompts(renderer, vocab=vocab)

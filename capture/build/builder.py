@@ -35,7 +35,7 @@ from typing import Any
 from capture.build.final_answer import answer_signature
 from capture.build.projection import flat_ids_and_mask, project_chain
 from capture.build.roots import RootCheck, check_roots
-from capture.build.segments import Segment, role_of, segments_of
+from capture.build.segments import Segment, checked_delivery, role_of, segments_of
 from capture.codec.views import IdView, shares_prefix
 from capture.errors import ConflictingEntryError
 from capture.lineage import FALLBACK_FIELD
@@ -45,7 +45,6 @@ from capture.records import TokenEntry
 # its own system prompt) is never compared against every call of the main chain.
 _KEY_TOKENS = 32
 # What a rebuild delivers: the main chain only, or every chain (the others as segments).
-DELIVERIES = ("chain", "segments")
 
 
 @dataclass(frozen=True)
@@ -380,8 +379,7 @@ def run_builder(
     or a string); it picks the main chain when exactly one leaf produced it. With
     ``delivery="segments"`` every other chain is delivered too (``BuildResult.segments``).
     """
-    if delivery not in DELIVERIES:
-        raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}, not {delivery!r}")
+    checked_delivery(delivery)
     rollout_id, entries = _entries_of(entries_or_snapshot)
     entries = _unique(entries)
     empty = tuple(sorted(e.model_call_id for e in entries if not e.generation_token_ids))

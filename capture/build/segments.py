@@ -18,14 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from capture.build.projection import project_chain
+from capture.errors import ConfigError
 from capture.records import TokenEntry
 
 TRAITS_FIELD = "request_traits"
 SEGMENTS_KEY = "_ng_token_segments"
+# What a rebuild delivers: the main chain only, or every other chain too, as segments.
+Delivery = Literal["chain", "segments"]
+DELIVERIES: tuple[str, ...] = get_args(Delivery)
 ROLES = ("subagent", "compaction_summary", "title", "continuation", "other")
+
+
+def checked_delivery(delivery: str) -> Delivery:
+    """``delivery`` when it is one of ``DELIVERIES``; a config error naming them otherwise."""
+    if delivery not in DELIVERIES:
+        raise ConfigError(f"delivery must be one of {', '.join(DELIVERIES)}, not {delivery!r}")
+    return delivery  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ PROMPT_MODES = {
     "text": ({}, {}),
     "faithful": (
         {"tokenizer_path": "qwen3"},
-        {"prompts": "faithful", "renderer_tokenizer": "qwen3"},
+        {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}},
     ),
 }
 

@@ -134,7 +134,7 @@ LONG_CASES = {
     "sglang": ({"wire": "sglang"}, {}),
     "faithful": (
         {"tokenizer_path": "qwen3"},
-        {"prompts": "faithful", "renderer_tokenizer": "qwen3"},
+        {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}},
     ),
 }
 

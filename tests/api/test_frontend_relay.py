@@ -157,7 +157,7 @@ def test_responses_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> N
 def _keepalive_settings(case: str, engine: str, tmp_path: Path) -> Any:
     if case == "faithful":
         return settings(
-            engine, tmp_path, keepalive_s=0.3, prompts="faithful", renderer_tokenizer="qwen3"
+            engine, tmp_path, keepalive_s=0.3, prompts="faithful", renderer={"tokenizer": "qwen3"}
         )
     return settings(engine, tmp_path, keepalive_s=0.3)
 

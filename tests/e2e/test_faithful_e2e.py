@@ -29,7 +29,7 @@ from tests.support.frontend import engine_server, file_store_settings, front_end
 from tests.support.servers import free_port, run_process
 from transports.redis import RedisTokenStore
 
-FAITHFUL = {"prompts": "faithful", "renderer_tokenizer": "qwen3"}
+FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
 
 
 def qwen3_engine(tmp_path: Path, **knobs: Any) -> dict[str, Any]:

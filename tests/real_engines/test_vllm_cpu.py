@@ -139,7 +139,7 @@ def test_openai_chat_and_responses_calls_are_captured_as_vllm_sampled_them(
 def test_faithful_prompts_keep_a_tool_loop_one_chain_on_vllm(vllm: str, tmp_path: Path) -> None:
     """The front end renders with the ``renderers`` Qwen3 renderer and sends token-in calls;
     vLLM continues exactly the ids sent, and the loop is one chain of what it sampled."""
-    faithful = {"prompts": "faithful", "renderer_tokenizer": "qwen3"}
+    faithful = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
     with (
         recording_proxy(vllm) as proxy,
         front_end(settings(proxy.url, tmp_path, **faithful)) as front,

@@ -83,7 +83,9 @@ def test_text_modes_split_is_reported_and_delivers_only_what_vllm_sampled(
 
 def test_the_same_turns_through_faithful_prompts_are_one_chain(vllm: str, tmp_path: Path) -> None:
     with recording_proxy(vllm) as proxy:
-        faithful = settings(proxy.url, tmp_path, prompts="faithful", renderer_tokenizer="qwen3")
+        faithful = settings(
+            proxy.url, tmp_path, prompts="faithful", renderer={"tokenizer": "qwen3"}
+        )
         with front_end(faithful) as front:
             replies = two_user_turns(base(front, "split-2"))
     snapshot = freeze(tmp_path, "split-2")

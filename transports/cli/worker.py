@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from capture.build.segments import DELIVERIES
 from tokcap.help import verb_main
 from transports.cli.redis_url import add_cluster_argument, add_url_argument, redis_url
 from transports.rebuild.settings import WorkerSettings
@@ -32,7 +33,7 @@ SETTING_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = WorkerSettings(consumer="-")
+    defaults = WorkerSettings(url="", consumer="-")  # read for the flags' defaults only
     add_url_argument(parser)
     add_cluster_argument(parser)
     for name, meaning in SETTING_FLAGS.items():
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--delivery",
-        choices=["chain", "segments"],
+        choices=DELIVERIES,
         default="chain",
         help="deliver the main chain only, or every chain (the others as labelled segments "
         "under _ng_token_segments); default chain",

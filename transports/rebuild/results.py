@@ -17,8 +17,6 @@ not with turns x context. ``decode_result`` restores the exact arrays.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
@@ -29,7 +27,7 @@ from redis.exceptions import ResponseError
 from capture.codec.views import IdView, json_default, shares_prefix
 from transports.rebuild.layout import agree_on_layout
 from transports.redis.eviction import check_client_eviction
-from transports.redis.keys import as_text, stream_names
+from transports.redis.keys import as_text, consumer_name, stream_names
 
 RESULT_ID_KEY = "_ng_result_id"
 SUPERSEDES_KEY = "_ng_supersedes"  # on a decoded record: the result id this one replaces
@@ -233,7 +231,7 @@ class ResultsReader(BufferedReader):
         self.client = client if client is not None else aioredis.Redis.from_url(url)
         self.stream = stream
         self.group = group
-        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.consumer = consumer or consumer_name()
         self.block_ms = block_ms
         self.count = count
         self.claim_idle_ms = claim_idle_ms

@@ -5,10 +5,9 @@ The CLI (``tokcap worker``) fills it from flags; tests and embedders build it di
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass, field
 
+from capture.build.segments import Delivery, checked_delivery
 from capture.retention import TOMBSTONE_TTL_S
 from transports.redis import keys as k
 from transports.redis.keys import Streams
@@ -18,10 +17,10 @@ from transports.redis.keys import Streams
 class WorkerSettings:
     """Everything a worker process needs; the CLI fills it from flags."""
 
-    url: str = "redis://127.0.0.1:6379/0"
+    url: str  # no Redis is assumed (``transports.cli.redis_url``): the caller names it
     key_prefix: str = k.DEFAULT_PREFIX
     group: str = "rebuild"
-    consumer: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    consumer: str = field(default_factory=k.consumer_name)
     concurrency: int = 4
     claim_idle_ms: int = 60_000
     max_attempts: int = 5
@@ -35,7 +34,7 @@ class WorkerSettings:
     shards: int = 1  # job and result streams; submitters and trainers must use as many
     cluster: bool = False  # the url names one node of a Redis Cluster
     # What a rebuild delivers and the least it may (token_id_capture's keys of the same name).
-    delivery: str = "chain"
+    delivery: Delivery = "chain"
     min_delivered_fraction: float | None = None
 
     def __post_init__(self) -> None:
@@ -45,8 +44,7 @@ class WorkerSettings:
         self.dead_stream = self.dead_stream or dead
         if self.concurrency < 1 or self.max_attempts < 1 or self.claim_idle_ms < 1:
             raise ValueError("concurrency, max_attempts and claim_idle_ms must be >= 1")
-        if self.delivery not in ("chain", "segments"):
-            raise ValueError(f"delivery must be chain or segments, not {self.delivery!r}")
+        checked_delivery(self.delivery)
         fraction = self.min_delivered_fraction
         if fraction is not None and not 0.0 <= fraction <= 1.0:
             raise ValueError(f"min_delivered_fraction must be within [0, 1], not {fraction}")

@@ -10,8 +10,6 @@ acknowledged on the shard it came from: its rollout's.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +26,7 @@ from transports.rebuild.results import (
     result_id_of,
 )
 from transports.redis.eviction import check_client_eviction
-from transports.redis.keys import as_text, shard_names, shard_of, stream_names
+from transports.redis.keys import as_text, consumer_name, shard_names, shard_of, stream_names
 
 # How long a look at one shard waits while others remain to be looked at (1 ms is the
 # least XREADGROUP takes: BLOCK 0 would wait for ever).
@@ -63,7 +61,7 @@ class ShardedResultsReader(BufferedReader):
         self.streams = shard_names(stream, shards, tagged=cluster)
         self._owns_client = client is None
         self.client = client if client is not None else open_client(url, cluster)
-        consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        consumer = consumer or consumer_name()
         self.readers = [
             ResultsReader(
                 client=self.client,

@@ -11,7 +11,9 @@ a one-letter kind prefix, so a field name alone says what it holds.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -148,6 +150,12 @@ def shard_of(rollout_id: str, shards: int) -> int:
     agree; with one shard per master, a rollout's job sits on the master of its hash.
     """
     return key_slot(rollout_id.encode()) * shards // REDIS_CLUSTER_HASH_SLOTS
+
+
+def consumer_name() -> str:
+    """This process's default name in a consumer group: its host and PID, unique while it
+    lives, so two workers or readers never share pending entries by accident."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def job_errors_key(jobs_stream: str) -> str:
