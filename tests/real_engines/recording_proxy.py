@@ -1,9 +1,13 @@
-"""A pass-through proxy between the front end and vLLM that keeps vLLM's replies.
+"""A pass-through proxy between the front end and a real engine that keeps its replies.
 
 Streams are relayed chunk by chunk as they come (so the front end's relay and keep-alive
-see vLLM's own timing) and recorded once whole. Each chat or completions reply becomes one
+see the engine's own timing) and recorded once whole. Each sampling reply becomes one
 sampled sequence in the ground truth's shape: the prompt ids, the generated ids and their
-log-probs, as vLLM sent them (chat: ``logprobs.content``; completions: ``token_logprobs``).
+log-probs, as the engine sent them (vLLM chat: ``token_ids`` and ``logprobs.content``;
+completions: ``token_logprobs``; SGLang chat: ``response_token_ids``; its ``/generate``:
+``output_ids`` and ``meta_info.output_token_logprobs``, the prompt being the request's
+``input_ids``). On its way to SGLang each sampling request gets the scripted-turns processor
+(``sglang_turns``), which SGLang takes per request; the front end never sends one.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from tests.real_engines.agent_script import SGLANG_PROCESSOR
 from tests.support.servers import serve_app
 
-SAMPLING_PATHS = ("v1/chat/completions", "v1/completions")
+SAMPLING_PATHS = ("v1/chat/completions", "v1/completions", "generate")
 
 
 def _log_probs(choice: dict[str, Any]) -> list[float]:
@@ -33,23 +38,36 @@ def _log_probs(choice: dict[str, Any]) -> list[float]:
     return list(logprobs.get("token_logprobs") or [])
 
 
-def sampled_sequence(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+def sampled_sequence(chunks: list[dict[str, Any]], request: dict[str, Any]) -> dict[str, Any]:
     """One reply (a whole body, or a stream's chunks in order) as what was sampled."""
     prompt, ids, log_probs = None, [], []
     for chunk in chunks:
+        if "output_ids" in chunk:  # SGLang's /generate
+            triples = chunk["meta_info"]["output_token_logprobs"]
+            prompt, ids = request["input_ids"], chunk["output_ids"]
+            log_probs = [triple[0] for triple in triples]
         prompt = chunk.get("prompt_token_ids") or prompt
         for choice in chunk.get("choices") or []:
             prompt = choice.get("prompt_token_ids") or prompt
-            ids += choice.get("token_ids") or []
+            ids += choice.get("token_ids") or choice.get("response_token_ids") or []
             log_probs += _log_probs(choice)
     return {"prompt_token_ids": prompt, "token_ids": ids, "logprobs": log_probs}
+
+
+def with_processor(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A sampling request to SGLang with the scripted-turns processor added."""
+    if path == "generate":
+        sampling = {**(body.get("sampling_params") or {}), "custom_params": {}}
+        return {**body, "custom_logit_processor": SGLANG_PROCESSOR, "sampling_params": sampling}
+    return {**body, "custom_logit_processor": SGLANG_PROCESSOR, "custom_params": {}}
 
 
 class RecordingProxy:
     """The proxy's app and what it saw: ``sampled`` replies, ``streams`` streamed ones."""
 
-    def __init__(self, engine: str, log: Path | None = None) -> None:
+    def __init__(self, engine: str, log: Path | None = None, family: str = "vllm") -> None:
         self.engine = engine
+        self.family = family
         self.log = log  # where each sampled sequence is also appended, as a JSON line
         self.sampled: list[dict[str, Any]] = []
         self.streams = 0
@@ -57,8 +75,8 @@ class RecordingProxy:
         self.url = ""
         self.app = self._build_app()
 
-    def _record(self, chunks: list[dict[str, Any]]) -> None:
-        sequence = sampled_sequence(chunks)
+    def _record(self, chunks: list[dict[str, Any]], request: dict[str, Any]) -> None:
+        sequence = sampled_sequence(chunks, request)
         self.sampled.append(sequence)
         if self.log is not None:
             with self.log.open("a", encoding="utf-8") as handle:
@@ -77,10 +95,15 @@ class RecordingProxy:
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(path: str, request: Request) -> Response:
             self.paths.append("/" + path)
+            content = await request.body()
+            sent = json.loads(content) if path in SAMPLING_PATHS and content else {}
+            if sent and self.family == "sglang":
+                sent = with_processor(path, sent)
+                content = json.dumps(sent).encode()
             upstream = http.build_request(
                 request.method,
                 "/" + path,
-                content=await request.body(),
+                content=content,
                 headers={"content-type": request.headers.get("content-type", "application/json")},
             )
             reply = await http.send(upstream, stream=True)
@@ -88,17 +111,17 @@ class RecordingProxy:
             sampling = path in SAMPLING_PATHS and reply.status_code == 200
             if sampling and kind.startswith("text/event-stream"):
                 self.streams += 1
-                return StreamingResponse(self._relay(reply), media_type=kind)
+                return StreamingResponse(self._relay(reply, sent), media_type=kind)
             body = await reply.aread()
             await reply.aclose()
             if sampling:
-                self._record([json.loads(body)])
+                self._record([json.loads(body)], sent)
             return Response(body, status_code=reply.status_code, media_type=kind or None)
 
         return app
 
-    async def _relay(self, reply: httpx.Response) -> AsyncIterator[bytes]:
-        """vLLM's stream, piece by piece; recorded once it ended, also when the client
+    async def _relay(self, reply: httpx.Response, sent: dict[str, Any]) -> AsyncIterator[bytes]:
+        """The engine's stream, piece by piece; recorded once it ended, also when the client
         closes the connection right after the last piece (which ends this generator at
         its ``yield``)."""
         chunks, pending = [], b""
@@ -112,13 +135,13 @@ class RecordingProxy:
                 yield piece
         finally:
             if chunks:
-                self._record(chunks)
+                self._record(chunks, sent)
             await reply.aclose()
 
 
 @contextlib.contextmanager
-def recording_proxy(engine: str) -> Iterator[RecordingProxy]:
-    proxy = RecordingProxy(engine)
+def recording_proxy(engine: str, family: str = "vllm") -> Iterator[RecordingProxy]:
+    proxy = RecordingProxy(engine, family=family)
     with serve_app(proxy.app, ready_path="/health") as url:
         proxy.url = url
         yield proxy

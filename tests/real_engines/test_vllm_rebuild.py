@@ -26,7 +26,7 @@ from capture.delivery import finalize_rollout_token_capture
 from tests.e2e.conftest import ROOT, redis_socket, worker, worker_delivery
 from tests.e2e.test_claude_code_e2e import rebuild
 from tests.real_engines.recording_proxy import recording_proxy
-from tests.real_engines.test_vllm_cpu import PINNED, answer, anthropic_loop, base
+from tests.real_engines.test_engines import PINNED, answer, anthropic_loop, base
 from tests.support.frontend import front_end
 from transports.redis import RedisTokenStore
 

@@ -1,8 +1,9 @@
-"""The start-up probe against vLLM started wrong (issue 23): each refusal names the fix.
+"""The start-up probe against engines started wrong (issue 23): each refusal names the fix.
 
-Each case starts its own vLLM (about 45 s): one with a key and the default raw log-probs
-(which the probe refuses only where the trainer's temperature is not 1), and one with
-``--skip-tokenizer-init``, which leaves vLLM unable to answer a chat call at all.
+Each case starts its own engine (about 45 s): a vLLM with a key and the default raw
+log-probs (which the probe refuses only where the trainer's temperature is not 1), a vLLM
+with ``--skip-tokenizer-init``, which leaves it unable to answer a chat call at all, and an
+SGLang with a key.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from api.probe import EngineRefused, probe
 from api.settings import ServerSettings
-from tests.real_engines.conftest import running_vllm
+from tests.real_engines.conftest import build_model, ensure_sglang, running_sglang, running_vllm
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -41,3 +42,14 @@ async def test_a_vllm_without_its_tokenizer_is_refused(vllm_model: Path) -> None
     with running_vllm(vllm_model, "--skip-tokenizer-init", parsers=False) as url:
         with pytest.raises(EngineRefused, match="--skip-tokenizer-init"):
             await probe(ServerSettings(upstream=url, sampling_overrides=PINNED))
+
+
+async def test_an_sglang_with_a_key_is_refused_without_it_and_accepted_with_it() -> None:
+    key = "sekrit-sglang-key"
+    with running_sglang(build_model(ensure_sglang()), "--api-key", key) as url:
+        with pytest.raises(EngineRefused, match="upstream_api_key") as keyless:
+            await probe(ServerSettings(upstream=url, sampling_overrides=PINNED))
+        keyed = ServerSettings(upstream=url, upstream_api_key=key, sampling_overrides=PINNED)
+        report = await probe(keyed)
+    assert report.family == "sglang" and report.warnings == []
+    assert key not in str(keyless.value)

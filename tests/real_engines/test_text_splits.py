@@ -1,10 +1,10 @@
-"""Text mode's splits on vLLM itself (issue 23): reported, and never delivered wrong.
+"""Text mode's splits on the real engines (issue 23): reported, and never delivered wrong.
 
-In text mode vLLM renders each prompt from the chat history with its own template. Qwen3's
+In text mode the engine renders each prompt from the chat history with its own template. Qwen3's
 template drops an earlier turn's thinking once a new user message follows, so the second
 call's prompt no longer extends the first call's sampled ids: the rollout splits. The
-rebuild must say so (two chains, a delivered fraction below one) and deliver only ids vLLM
-sampled; with ``delivery: segments`` the other chain comes as a segment of its own. The same
+rebuild must say so (two chains, a delivered fraction below one) and deliver only ids the
+engine sampled; with ``delivery: segments`` the other chain comes as a segment of its own. The same
 conversation through faithful prompts stays one chain.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.real_engines.recording_proxy import recording_proxy
-from tests.real_engines.test_vllm_cpu import answer, base, settings
+from tests.real_engines.conftest import RealEngine
+from tests.real_engines.test_engines import answer, base, proxy_for, settings
 from tests.support.frontend import (
     assert_entries_equal_ground_truth,
     assert_one_contiguous_chain,
@@ -52,10 +52,10 @@ def carried_sequences(items: list[dict[str, Any]]) -> list[tuple[tuple[int, ...]
     ]
 
 
-def test_text_modes_split_is_reported_and_delivers_only_what_vllm_sampled(
-    vllm: str, tmp_path: Path
+def test_text_modes_split_is_reported_and_delivers_only_what_the_engine_sampled(
+    engine: RealEngine, tmp_path: Path
 ) -> None:
-    with recording_proxy(vllm) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
+    with proxy_for(engine) as proxy, front_end(settings(proxy.url, tmp_path)) as front:
         replies = two_user_turns(base(front, "split-1"))
     assert [b.type for b in replies[0].content if b.type != "text"] == ["thinking"]
     assert replies[1].content[-1].text.strip() == "Hello again from the tiny model."
@@ -64,7 +64,9 @@ def test_text_modes_split_is_reported_and_delivers_only_what_vllm_sampled(
     assert_entries_equal_ground_truth(snapshot, proxy.sampled)
     first, second = sorted(proxy.sampled, key=lambda r: len(r["prompt_token_ids"]))
     sampled_first = first["prompt_token_ids"] + first["token_ids"]
-    assert second["prompt_token_ids"][: len(sampled_first)] != sampled_first, "vLLM re-rendered"
+    assert second["prompt_token_ids"][: len(sampled_first)] != sampled_first, (
+        "the engine re-rendered"
+    )
 
     record, build = finalize(tmp_path, "split-1", answer(replies[1]))
     assert not build.masked, build.metrics
@@ -81,8 +83,10 @@ def test_text_modes_split_is_reported_and_delivers_only_what_vllm_sampled(
     assert delivered == [(tuple(first["prompt_token_ids"]), tuple(first["token_ids"]))]
 
 
-def test_the_same_turns_through_faithful_prompts_are_one_chain(vllm: str, tmp_path: Path) -> None:
-    with recording_proxy(vllm) as proxy:
+def test_the_same_turns_through_faithful_prompts_are_one_chain(
+    engine: RealEngine, tmp_path: Path
+) -> None:
+    with proxy_for(engine) as proxy:
         faithful = settings(
             proxy.url, tmp_path, prompts="faithful", renderer={"tokenizer": "qwen3"}
         )

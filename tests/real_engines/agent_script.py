@@ -1,0 +1,53 @@
+"""The scripted agent turns both real engines are made to sample (test tooling).
+
+Imported by each engine's own logits processor (``scripted_turns`` for vLLM,
+``sglang_turns`` for SGLang), inside that engine's process and venv, so it needs nothing but
+the standard library. A reply is chosen from the request's prompt: with tools on offer and
+no tool result yet, thinking and one hermes tool call; after a tool result, thinking and a
+final answer; otherwise thinking and a greeting (another one after an earlier reply, so a
+chat's turns differ). A prompt that holds ``SLOW_MARK`` asks the processor to hold its first
+step, as a long prefill under load would.
+"""
+
+from __future__ import annotations
+
+import json
+
+IM_END = 151645  # <|im_end|>: sampled once the script is done
+TOOL_CALL = 151657  # <tool_call>: the system turn names it when tools are on offer
+TOOL_RESPONSE = 151665  # <tool_response>: a tool result in the prompt
+LIFT = 50.0  # how far above the largest logit the scripted token is put
+SLOW_MARK = "[slow prefill]"
+SLOW_PREFILL_S = 3.0
+ASSISTANT_TURN = "<|im_start|>assistant"
+# What a request to SGLang names its processor with: ``sglang_turns.ScriptedTurns`` by
+# reference (a protocol-0 pickle), in the ``{"callable": hex}`` form SGLang's
+# ``CustomLogitProcessor.to_str`` writes; building it needs neither dill nor SGLang.
+SGLANG_PROCESSOR = json.dumps({"callable": b"csglang_turns\nScriptedTurns\n.".hex()})
+
+SCRIPTS = {
+    "call": (
+        "<think>\nThe user wants the files listed, so I will call the tool.\n</think>\n\n"
+        '<tool_call>\n{"name": "list_files", "arguments": {"path": "."}}\n</tool_call>'
+    ),
+    "answer": (
+        "<think>\nThe tool has answered; I can reply now.\n</think>\n\nThe directory holds a.txt."
+    ),
+    "greet": "<think>\nA greeting needs no tool.\n</think>\n\nHello from the tiny model.",
+    "again": "<think>\nWe spoke before.\n</think>\n\nHello again from the tiny model.",
+}
+
+
+def script_name(prompt: list[int], text: str) -> str:
+    """Which script answers a prompt, from its ids and its text."""
+    if TOOL_RESPONSE in prompt:
+        return "answer"
+    if TOOL_CALL in prompt:
+        return "call"
+    # The prompt ends with the turn to write: more than one means an earlier reply.
+    return "again" if text.count(ASSISTANT_TURN) > 1 else "greet"
+
+
+def target(script: list[int], step: int) -> int:
+    """The id to sample at ``step`` of a script: its next id, then the end of the turn."""
+    return script[step] if step < len(script) else IM_END
