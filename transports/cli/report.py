@@ -299,10 +299,9 @@ def read_stream(
     trainer already acknowledged were deleted by it and are not seen. A rollout's results
     are all on one shard, so its latest still wins.
     """
-    import redis
-    from redis.cluster import RedisCluster
+    from transports.redis.clients import RedisOptions, open_sync_client
 
-    client = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    client = open_sync_client(RedisOptions(url=url, cluster=cluster))
     try:
         problem = mismatch(stream, client.get(layout_key(stream)), shards, cluster, "report")
         if problem is not None:

@@ -24,6 +24,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from capture.rollout_ids import rollout_id_from_run_body
 from transports.rebuild.layout import agree_on_layout
+from transports.redis.clients import RedisOptions, open_client
 from transports.redis.eviction import check_client_eviction
 from transports.redis.keys import as_text, shard_names, shard_of, stream_names
 
@@ -91,13 +92,6 @@ def decode_job(fields: Mapping[Any, Any]) -> tuple[str, dict[str, Any]]:
     return rollout_id, record
 
 
-def open_client(url: str, cluster: bool = False) -> aioredis.Redis | RedisCluster:
-    """A client of one Redis, or of the Redis Cluster that ``url``'s node belongs to."""
-    if cluster:
-        return RedisCluster.from_url(url)
-    return aioredis.Redis.from_url(url)
-
-
 class RebuildQueue:
     """Submit finished rollout records for rebuilding: one XADD per record.
 
@@ -120,7 +114,8 @@ class RebuildQueue:
         cluster = cluster or isinstance(client, RedisCluster)
         self.streams = shard_names(stream, shards, tagged=cluster)
         self._owns_client = client is None
-        self.client = client if client is not None else open_client(url, cluster)
+        options = RedisOptions(url=url, cluster=cluster)
+        self.client = client if client is not None else open_client(options)
         self.stream = self.streams[0]
         self._base, self._cluster = stream, cluster
         self._layout_agreed = False

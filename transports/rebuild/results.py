@@ -26,6 +26,7 @@ from redis.exceptions import ResponseError
 
 from capture.codec.views import IdView, json_default, shares_prefix
 from transports.rebuild.layout import agree_on_layout
+from transports.redis.clients import RedisOptions, open_client
 from transports.redis.eviction import check_client_eviction
 from transports.redis.keys import as_text, consumer_name, stream_names
 
@@ -228,7 +229,8 @@ class ResultsReader(BufferedReader):
         self._check_layout = check_layout
         self.delete_acked = delete_acked
         self._owns_client = client is None
-        self.client = client if client is not None else aioredis.Redis.from_url(url)
+        options = RedisOptions(url=url)
+        self.client = client if client is not None else open_client(options, block_ms)
         self.stream = stream
         self.group = group
         self.consumer = consumer or consumer_name()
@@ -244,7 +246,11 @@ class ResultsReader(BufferedReader):
     async def read(
         self, count: int | None = None, block_ms: int | None = None
     ) -> list[dict[str, Any]]:
-        """Up to ``count`` records (own pending first, then claimed, then new); [] on timeout."""
+        """Up to ``count`` records (own pending first, then claimed, then new); [] on timeout.
+
+        On a client of its own a read blocks at most the reader's ``block_ms``, which that
+        client's socket timeout is sized for (``transports.redis.clients.open_client``).
+        """
         count = count or self.count
         if not self._group_ready:
             if self._check_layout:  # a shard's reader leaves both checks to its whole queue
@@ -272,6 +278,7 @@ class ResultsReader(BufferedReader):
             if records:
                 return records
         block = self.block_ms if block_ms is None else block_ms
+        block = min(block, self.block_ms) if self._owns_client else block
         return self._hand_out(await self._read_group(">", count, block))
 
     def _hand_out(self, entries: list[Any]) -> list[dict[str, Any]]:

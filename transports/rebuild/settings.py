@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from capture.build.segments import Delivery, checked_delivery
 from capture.retention import TOMBSTONE_TTL_S
 from transports.redis import keys as k
+from transports.redis.clients import RedisOptions
 from transports.redis.keys import Streams
 
 
@@ -36,6 +37,16 @@ class WorkerSettings:
     # What a rebuild delivers and the least it may (token_id_capture's keys of the same name).
     delivery: Delivery = "chain"
     min_delivered_fraction: float | None = None
+
+    @property
+    def redis(self) -> RedisOptions:
+        """The worker's Redis as one options object: its store and its job client use it."""
+        return RedisOptions(
+            url=self.url,
+            cluster=self.cluster,
+            durability=self.durability,
+            wait_timeout_ms=self.wait_timeout_ms,
+        )
 
     def __post_init__(self) -> None:
         jobs, results, dead = k.stream_names(self.key_prefix)

@@ -17,7 +17,6 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from capture.rollout_ids import rollout_id_from_run_body
-from transports.rebuild.jobs import open_client
 from transports.rebuild.layout import agree_on_layout
 from transports.rebuild.results import (
     RESULT_ID_KEY,
@@ -25,6 +24,7 @@ from transports.rebuild.results import (
     ResultsReader,
     result_id_of,
 )
+from transports.redis.clients import RedisOptions, open_client
 from transports.redis.eviction import check_client_eviction
 from transports.redis.keys import as_text, consumer_name, shard_names, shard_of, stream_names
 
@@ -60,7 +60,8 @@ class ShardedResultsReader(BufferedReader):
         cluster = cluster or isinstance(client, RedisCluster)
         self.streams = shard_names(stream, shards, tagged=cluster)
         self._owns_client = client is None
-        self.client = client if client is not None else open_client(url, cluster)
+        options = RedisOptions(url=url, cluster=cluster)
+        self.client = client if client is not None else open_client(options, block_ms)
         consumer = consumer or consumer_name()
         self.readers = [
             ResultsReader(
@@ -94,6 +95,7 @@ class ShardedResultsReader(BufferedReader):
             await agree_on_layout(self.client, *self._layout, "results reader")
             self._layout_agreed = True
         block = self.block_ms if block_ms is None else block_ms
+        block = min(block, self.block_ms) if self._owns_client else block  # see ResultsReader
         start = self._turn % len(self.readers)
         self._turn += 1
         order = self.readers[start:] + self.readers[:start]

@@ -34,16 +34,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capture.delivery import (
     RolloutBuild,
     finalize_rollout_token_capture,
     retire_rollout_token_capture,
 )
-from transports.rebuild.jobs import MalformedJobError, decode_job, open_client
+from transports.rebuild.jobs import MalformedJobError, decode_job
 from transports.rebuild.layout import agree_on_layout
 from transports.rebuild.publish import Published, ResultToPublish, publish_durably
 from transports.rebuild.results import encode_result
@@ -51,7 +49,7 @@ from transports.rebuild.settings import WorkerSettings
 from transports.rebuild.shards import Job, JobShards, job_key
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
-from transports.redis.cluster import TOPOLOGY_ERRORS
+from transports.redis.clients import TRANSIENT_ERRORS, open_client
 from transports.redis.keys import Streams, as_text
 
 log = logging.getLogger("tokcap.worker")
@@ -62,8 +60,6 @@ REBUILD_ROUNDS = 3
 
 # When reading jobs fails on the connection, wait this long before trying again.
 READ_RETRY_PAUSE_S = 1.0
-# What a worker rides out by waiting: a lost connection, a cluster replacing a master.
-TRANSIENT_ERRORS = (RedisConnectionError, RedisTimeoutError, *TOPOLOGY_ERRORS)
 # Stale jobs are looked for twice per claim_idle_ms (within these bounds), and the jobs in
 # flight are touched three times per claim_idle_ms, so a live job never looks idle that long.
 CLAIMS_PER_IDLE, MIN_CLAIM_PAUSE_S, MAX_CLAIM_PAUSE_S = 2, 0.05, 5.0
@@ -79,14 +75,8 @@ class RebuildWorker:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.client = open_client(settings.url, settings.cluster)
-        self.source = RedisTokenStore(
-            url=settings.url,
-            key_prefix=settings.key_prefix,
-            durability=settings.durability,
-            wait_timeout_ms=settings.wait_timeout_ms,
-            cluster=settings.cluster,
-        )
+        self.client = open_client(settings.redis, settings.block_ms)
+        self.source = RedisTokenStore.from_options(settings.redis, key_prefix=settings.key_prefix)
         self.jobs = JobShards(
             self.client, settings.shard_streams, settings.group, settings.consumer
         )

@@ -23,21 +23,14 @@ import asyncio
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (
-    AskError,
-    ClusterDownError,
-    RedisClusterException,
-    TryAgainError,
-)
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from capture.errors import ConfigError
 from transports.redis.checks import node_name
+from transports.redis.clients import RedisOptions
 from transports.redis.connections import Prover
 from transports.redis.durability import Durability
 
-# Replies and failures after which the slot map may be stale: re-read it and try again.
-TOPOLOGY_ERRORS = (AskError, ClusterDownError, TryAgainError, RedisClusterException)
 _SPARE_CONNECTIONS = 4
 
 
@@ -85,27 +78,18 @@ class ClusterConnections:
     """A RedisCluster client whose node connections prove durability, and its pools."""
 
     def __init__(
-        self,
-        chosen: Durability,
-        *,
-        url: str | None = None,
-        client: RedisCluster | None = None,
-        max_connections: int,
-        pool_timeout_s: float,
-        socket_timeout_s: float,
-        connect_timeout_s: float,
-        wait_timeout_ms: int,
+        self, options: RedisOptions, chosen: Durability, client: RedisCluster | None = None
     ) -> None:
-        self.prover = Prover(chosen, wait_timeout_ms)
-        self._pool_timeout_s = pool_timeout_s
-        self._max_connections = max_connections
+        self.prover = Prover(chosen, options.wait_timeout_ms)
+        self._pool_timeout_s = options.pool_timeout_s
+        max_connections = self._max_connections = options.max_connections
         if client is None:
             client = RedisCluster.from_url(
-                url,
+                options.url,
                 # A few beyond the store's own, for redis-py's reads of the slot map.
                 max_connections=max_connections + _SPARE_CONNECTIONS,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=connect_timeout_s,
+                socket_timeout=options.socket_timeout_s,
+                socket_connect_timeout=options.connect_timeout_s,
             )
         elif client.nodes_manager.nodes_cache:
             raise ConfigError(

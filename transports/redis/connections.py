@@ -24,6 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from transports.redis.checks import NAME_PREFIX
+from transports.redis.clients import RedisOptions
 from transports.redis.durability import Durability, Execute, check_durability
 from transports.redis.eviction import check_eviction
 
@@ -96,24 +97,16 @@ class Prover:
 class ProvingConnections:
     """The client and its pool; ``durability`` is what the latest connection proved."""
 
-    def __init__(
-        self,
-        url: str,
-        chosen: Durability,
-        *,
-        max_connections: int,
-        pool_timeout_s: float,
-        socket_timeout_s: float,
-        connect_timeout_s: float,
-        wait_timeout_ms: int,
-    ) -> None:
-        self.prover = Prover(chosen, wait_timeout_ms)
+    def __init__(self, options: RedisOptions, chosen: Durability) -> None:
+        if not options.url:
+            raise ValueError("RedisOptions.url names no Redis")
+        self.prover = Prover(chosen, options.wait_timeout_ms)
         pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=pool_timeout_s,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s,
+            options.url,
+            max_connections=options.max_connections,
+            timeout=options.pool_timeout_s,
+            socket_timeout=options.socket_timeout_s,
+            socket_connect_timeout=options.connect_timeout_s,
             # Retries are the store's (bounded, per operation); redis-py's own would hide
             # outages and reconnect without telling anyone.
             retry=Retry(NoBackoff(), 0),

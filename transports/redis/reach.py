@@ -17,12 +17,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from redis.exceptions import AuthenticationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from capture.errors import ConfigError, TokenCaptureError
 from transports.redis.checks import server_name
-from transports.redis.cluster import TOPOLOGY_ERRORS, ClusterConnections
+from transports.redis.clients import TRANSIENT_ERRORS, RedisOptions
+from transports.redis.cluster import ClusterConnections
 from transports.redis.connections import ProvingConnections, prove_server
 from transports.redis.durability import Durability
 from transports.redis.eviction import EvictingRedisError, Memory, read_memory
@@ -39,39 +38,16 @@ class RedisUnavailableError(TokenCaptureError, ConnectionError):
 
 
 class RedisReach:
-    """The client, its proven connections and the retries of one store (keyword arguments
-    as ``RedisTokenStore`` takes them; ``chosen`` is its parsed ``durability``)."""
+    """The client, its proven connections and the retries of one store, all from one
+    ``RedisOptions`` (``chosen`` is its parsed ``durability``); ``client``: one passed in."""
 
-    def __init__(
-        self,
-        *,
-        url: str | None,
-        client: Any,
-        chosen: Durability,
-        cluster: bool,
-        socket_timeout_s: float,
-        connect_timeout_s: float,
-        wait_timeout_ms: int,
-        max_retries: int,
-        max_connections: int,
-        pool_timeout_s: float,
-        failover_timeout_s: float,
-    ) -> None:
-        self.url = url
+    def __init__(self, options: RedisOptions, client: Any = None) -> None:
+        self.options = options
         self.client = client
         self.owns_client = client is None
-        self.chosen = chosen
-        self.cluster = cluster
+        self.chosen = Durability.parse(options.durability)
+        self.cluster = options.cluster
         self.durability: Durability | None = None  # set once proven against the server
-        self._pool_options = dict(
-            max_connections=max_connections,
-            pool_timeout_s=pool_timeout_s,
-            socket_timeout_s=socket_timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            wait_timeout_ms=wait_timeout_ms,
-        )
-        self._max_retries = max_retries
-        self._failover_timeout_s = failover_timeout_s
         self._connections: ProvingConnections | None = None  # None for a client passed in
         self._cluster: ClusterConnections | None = None
         self._lock = asyncio.Lock()
@@ -102,8 +78,7 @@ class RedisReach:
         if self.cluster:
             return await self._prove_cluster()
         if self.client is None:
-            assert self.url is not None
-            self._connections = ProvingConnections(self.url, self.chosen, **self._pool_options)
+            self._connections = ProvingConnections(self.options, self.chosen)
             self.client = self._connections.client
         pool = self.client.connection_pool
         if self._connections is not None:
@@ -119,15 +94,13 @@ class RedisReach:
             execute,
             self.chosen,
             where=self.where,
-            wait_timeout_ms=self._pool_options["wait_timeout_ms"],
+            wait_timeout_ms=self.options.wait_timeout_ms,
         )
 
     async def _prove_cluster(self) -> Durability:
         """Every master proves the guarantee on a connection of its own (see cluster.py)."""
         if self._cluster is None:
-            self._cluster = ClusterConnections(
-                self.chosen, url=self.url, client=self.client, **self._pool_options
-            )
+            self._cluster = ClusterConnections(self.options, self.chosen, client=self.client)
             self.client = self._cluster.client
         masters = await self._cluster.start()
         return masters[0].durability()
@@ -172,14 +145,14 @@ class RedisReach:
         last: Exception | None = None
         # A cluster replacing a lost master is unreachable for a while (its node timeout,
         # then an election): keep trying that long, on a fresh slot map each time.
-        deadline = time.monotonic() + (self._failover_timeout_s if self.cluster else 0)
+        deadline = time.monotonic() + (self.options.failover_timeout_s if self.cluster else 0)
         tries = 0
         while True:
             try:
                 return await operation()
             except AuthenticationError:
                 raise  # wrong credentials do not get better by retrying
-            except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS) as exc:
+            except TRANSIENT_ERRORS as exc:
                 last = exc
             except ConfigError as exc:
                 if not (self.cluster and self.durability is not None) or isinstance(
@@ -190,7 +163,7 @@ class RedisReach:
                 # replicas:N, until its lost peer is back as its replica): wait for it.
                 last = exc
             tries += 1
-            if tries > self._max_retries and time.monotonic() >= deadline:
+            if tries > self.options.max_retries and time.monotonic() >= deadline:
                 break
             await asyncio.sleep(min(RETRY_PAUSE_S * 2 ** min(tries - 1, 8), RETRY_MAX_PAUSE_S))
             if self._cluster is not None:
@@ -204,7 +177,7 @@ class RedisReach:
         assert self._cluster is not None
         try:
             await self._cluster.refresh()
-        except (RedisConnectionError, RedisTimeoutError, OSError, *TOPOLOGY_ERRORS):
+        except TRANSIENT_ERRORS:
             pass
 
     async def close(self) -> None:

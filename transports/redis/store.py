@@ -17,6 +17,7 @@ a trainer freezes and drops through (``RedisTokenSource``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any, Self, TypeVar
@@ -36,6 +37,7 @@ from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
 from transports.redis import keys as k
 from transports.redis.checks import check_call_id, check_limits, check_server
+from transports.redis.clients import RedisOptions
 from transports.redis.durability import Durability
 from transports.redis.eviction import Memory
 from transports.redis.plans import (
@@ -88,6 +90,12 @@ class RedisTokenStore:
 
     reads_packed_ids = True  # an entry's prompt may be PackedIds (capture.protocols)
 
+    @classmethod
+    def from_options(cls, options: RedisOptions, **store: Any) -> RedisTokenStore:
+        """The store on the Redis ``options`` names (``store``: the store's own keywords,
+        such as ``key_prefix``)."""
+        return cls(**{**dataclasses.asdict(options), **store})
+
     def __init__(
         self,
         *,
@@ -111,19 +119,20 @@ class RedisTokenStore:
         cluster = cluster or isinstance(client, RedisCluster)
         check_server(url, client, cluster)
         check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
-        self._reach = RedisReach(
+        Durability.parse(durability)  # a config error now, not at the first put
+        options = RedisOptions(
             url=url,
-            client=client,
-            chosen=Durability.parse(durability),
             cluster=cluster,
+            durability=durability,
             socket_timeout_s=socket_timeout_s,
             connect_timeout_s=connect_timeout_s,
             wait_timeout_ms=wait_timeout_ms,
-            max_retries=max_retries,
             max_connections=max_connections,
             pool_timeout_s=pool_timeout_s,
+            max_retries=max_retries,
             failover_timeout_s=failover_timeout_s,
         )
+        self._reach = RedisReach(options, client)
         self.key_prefix = key_prefix
         self.tombstone_ttl_s = tombstone_ttl_s
         self.evidence_ttl_s = evidence_ttl_s
