@@ -302,7 +302,7 @@ async def _rebuild(
             await store.close()
         return records
     from transports.rebuild.jobs import RebuildQueue
-    from transports.rebuild.results import ResultsReader
+    from transports.rebuild.reader import ResultsReader
 
     assert backend.redis is not None
     async with RebuildQueue(url=backend.redis.url) as queue:

@@ -123,7 +123,7 @@ def session_events(summary: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[
 async def rebuild(redis_url: str, record: dict[str, Any]) -> dict[str, Any]:
     """Submit the record as a job and wait for its rebuilt record on the results stream."""
     from transports.rebuild.jobs import RebuildQueue
-    from transports.rebuild.results import ResultsReader
+    from transports.rebuild.reader import ResultsReader
 
     async with RebuildQueue(url=redis_url) as queue:
         await queue.submit(record)

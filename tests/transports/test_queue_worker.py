@@ -37,8 +37,8 @@ from transports.rebuild.jobs import (
     encode_job,
 )
 from transports.rebuild.layout import QueueLayoutError
+from transports.rebuild.reader import ResultsReader
 from transports.rebuild.results import (
-    ResultsReader,
     compact_record,
     decode_result,
     encode_result,

@@ -24,8 +24,8 @@ from capture.errors import ConfigError
 from tests.support.rebuild import assert_rebuilt, finished_record, rollout_entries
 from tokcap.redis_cluster import LocalCluster
 from transports.rebuild.jobs import RebuildQueue
+from transports.rebuild.reader import ResultsReader
 from transports.rebuild.settings import WorkerSettings
-from transports.rebuild.sharded_results import ShardedResultsReader
 from transports.rebuild.worker import RebuildWorker
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
@@ -117,7 +117,7 @@ async def test_one_redis_takes_a_sharded_queue_too(redis_url: str, redis_prefix:
     task = asyncio.create_task(worker.run())
     records = []
     try:
-        async with ShardedResultsReader(
+        async with ResultsReader(
             url=redis_url, stream=base.results, shards=2, block_ms=50
         ) as reader:
             while len(records) < len(rollout_ids):
@@ -202,7 +202,7 @@ async def test_workers_rebuild_across_every_shard_and_the_trainer_reads_them_all
     results_base = k.stream_names(redis_prefix).results
     records: list[dict[str, Any]] = []
     try:
-        async with ShardedResultsReader(
+        async with ResultsReader(
             url=url, stream=results_base, shards=shards, cluster=True, block_ms=100
         ) as reader:
             while len(records) < len(rollout_ids):

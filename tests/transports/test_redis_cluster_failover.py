@@ -26,8 +26,8 @@ from tests.support.fixtures_stores import make_token_entry
 from tests.support.rebuild import assert_rebuilt, finished_record, rollout_entries
 from tokcap.redis_cluster import LocalCluster
 from transports.rebuild.jobs import RebuildQueue
+from transports.rebuild.reader import ResultsReader
 from transports.rebuild.settings import WorkerSettings
-from transports.rebuild.sharded_results import ShardedResultsReader
 from transports.rebuild.worker import RebuildWorker
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
@@ -102,7 +102,7 @@ async def submit_all(queue: RebuildQueue, rollout_ids: list[str]) -> None:
                 await asyncio.sleep(0.2)
 
 
-async def read_all(reader: ShardedResultsReader, count: int) -> list[dict[str, Any]]:
+async def read_all(reader: ResultsReader, count: int) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     while len(records) < count:
         try:
@@ -148,7 +148,7 @@ async def test_a_killed_master_loses_no_acknowledged_put_and_everyone_reconnects
     writers = Writers(store)
     writing = [asyncio.create_task(writers.run(rollout_id)) for rollout_id in writers.acknowledged]
     queue = RebuildQueue(url=url, stream=k.stream_names(PREFIX).jobs, shards=SHARDS, cluster=True)
-    reader = ShardedResultsReader(
+    reader = ResultsReader(
         url=url, stream=k.stream_names(PREFIX).results, shards=SHARDS, cluster=True, block_ms=100
     )
     reading = asyncio.create_task(read_all(reader, len(jobs)))

@@ -14,8 +14,7 @@ import redis.asyncio as aioredis
 from capture.errors import ConfigError
 from tests.support.fixtures_stores import make_token_entry
 from transports.rebuild.jobs import RebuildQueue
-from transports.rebuild.results import ResultsReader
-from transports.rebuild.sharded_results import ShardedResultsReader
+from transports.rebuild.reader import ResultsReader
 from transports.redis import RedisTokenStore
 from transports.redis.eviction import EvictingRedisError, Memory, refuse_eviction
 
@@ -108,7 +107,7 @@ async def test_queues_and_results_readers_refuse_an_evicting_redis(redis_server_
     async with ResultsReader(url=server.url, block_ms=1) as reader:
         with pytest.raises(EvictingRedisError):
             await reader.read()
-    async with ShardedResultsReader(url=server.url, shards=2, block_ms=1) as reader:
+    async with ResultsReader(url=server.url, shards=2, block_ms=1) as reader:
         with pytest.raises(EvictingRedisError):
             await reader.read()
     assert _dbsize(server.url) == 0

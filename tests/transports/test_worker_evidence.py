@@ -29,7 +29,8 @@ from tests.support.rebuild import (
     wait_for,
 )
 from transports.rebuild.jobs import encode_job
-from transports.rebuild.results import SUPERSEDES_KEY, ResultsReader
+from transports.rebuild.reader import ResultsReader
+from transports.rebuild.results import SUPERSEDES_KEY
 from transports.redis import RedisTokenStore
 from transports.redis.keys import publish_guard_key, stream_names
 

@@ -31,7 +31,8 @@ from tests.support.rebuild import (
     wait_for,
 )
 from transports.rebuild.jobs import RebuildQueue, encode_job
-from transports.rebuild.results import ResultsReader, ensure_group
+from transports.rebuild.reader import ResultsReader
+from transports.rebuild.results import ensure_group
 from transports.redis.keys import stream_names
 
 
