@@ -116,7 +116,7 @@ async def _rebuilt_in(target: Target, prefix: str, rollout_ids: list[str]) -> fl
 def rebuilt_per_s(target: Target, prefix: str, args: argparse.Namespace) -> float:
     rollout_ids = [f"job-{n}" for n in range(args.jobs)]
     asyncio.run(_written(target, prefix, rollout_ids, args.turns))
-    command = [sys.executable, "-m", "transports.cli.worker", "--key-prefix", prefix]
+    command = [sys.executable, "-m", "tokcap.commands.worker", "--key-prefix", prefix]
     command += ["--concurrency", "4", "--block-ms", "100", "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKCAP_REDIS_URL": target.url}
     workers = [

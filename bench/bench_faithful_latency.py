@@ -95,7 +95,7 @@ def front_end(mode: str, tmp: Path, engine: str) -> Iterator[tuple[str, int]]:
     cmd = [
         sys.executable,
         "-m",
-        "api.serve_cli",
+        "tokcap.commands.serve",
         "--config",
         str(config),
         "--upstream",

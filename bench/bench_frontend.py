@@ -81,7 +81,7 @@ def servers(
     front_cmd = [
         sys.executable,
         "-m",
-        "api.serve_cli",
+        "tokcap.commands.serve",
         "--config",
         str(config),
         "--upstream",

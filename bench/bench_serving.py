@@ -87,7 +87,15 @@ def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tu
         path = tmp / "serve.yaml"
         path.write_text(config)
         port = free_port()
-        args = [sys.executable, "-m", "api.serve_cli", "--config", str(path), "--port", str(port)]
+        args = [
+            sys.executable,
+            "-m",
+            "tokcap.commands.serve",
+            "--config",
+            str(path),
+            "--port",
+            str(port),
+        ]
         args += ["--upstream", upstream, "--workers", str(workers), "--log-level", "warning"]
         url = f"http://127.0.0.1:{port}"
         proc = stack.enter_context(run_process(args, ready_url=url + "/health", timeout=120))

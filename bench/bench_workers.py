@@ -75,7 +75,7 @@ async def measure(url: str, workers: int, args, log_dir: str, trial: int = 0) ->
             procs.append(
                 Service(
                     f"w{workers}-{n}",
-                    "transports.cli.worker",
+                    "tokcap.commands.worker",
                     [
                         "--url",
                         url,

@@ -1,4 +1,5 @@
-"""The ``tokcap`` command: one subcommand per part, each defined beside the code it runs.
+"""The ``tokcap`` command: one subcommand per verb, each a module of ``tokcap.commands``
+(``tokcap engine``: the development engine's own ``engine.cli``).
 
 Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them, so adding a command never touches the others. Every option's help ends with
@@ -14,13 +15,16 @@ import sys
 from tokcap.help import DefaultsHelpFormatter
 
 SUBCOMMANDS = {
-    "serve": ("api.serve_cli", "run the model-server front end that captures token ids"),
+    "serve": ("tokcap.commands.serve", "run the model-server front end that captures token ids"),
     "engine": ("engine.cli", "run the tokcap engine, a vLLM-compatible test engine"),
-    "worker": ("transports.cli.worker", "run a pool of rebuild workers on the Redis job stream"),
-    "submit": ("transports.cli.submit", "submit a finished rollout record for rebuilding"),
-    "inspect": ("transports.cli.inspect", "show what is captured for one rollout"),
-    "report": ("transports.cli.report", "summarize a step's rebuilt records: what to watch"),
-    "demo": ("tokcap.demo", "run the whole pipeline on scripted rollouts and print the result"),
+    "worker": ("tokcap.commands.worker", "run a pool of rebuild workers on the Redis job stream"),
+    "submit": ("tokcap.commands.submit", "submit a finished rollout record for rebuilding"),
+    "inspect": ("tokcap.commands.inspect", "show what is captured for one rollout"),
+    "report": ("tokcap.commands.report", "summarize a step's rebuilt records: what to watch"),
+    "demo": (
+        "tokcap.commands.demo",
+        "run the whole pipeline on scripted rollouts and print the result",
+    ),
 }
 
 

@@ -1,6 +1,6 @@
 """How every ``tokcap`` verb shows its options, and the entry point each verb's module shares.
 
-Each verb's module can also run alone (``python -m transports.cli.worker``); ``verb_main``
+Each verb's module can also run alone (``python -m tokcap.commands.worker``); ``verb_main``
 builds that parser the way ``tokcap <verb>`` builds its subparser, so both help texts say
 every option's default (``DefaultsHelpFormatter``).
 """

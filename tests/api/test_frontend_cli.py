@@ -187,7 +187,7 @@ def test_an_embedding_process_can_install_the_sink(tmp_path: Path) -> None:
 def test_serve_raises_the_open_file_limit_and_says_what_it_allows() -> None:
     import resource
 
-    from api.serve_cli import SOCKETS_PER_CALL, SPARE_FILES, open_file_room
+    from tokcap.commands.serve import SOCKETS_PER_CALL, SPARE_FILES, open_file_room
 
     said = open_file_room()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

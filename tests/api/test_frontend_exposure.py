@@ -72,8 +72,8 @@ def test_engine_ground_truth_flag_takes_an_optional_path(tmp_path: Path) -> None
 def test_tokcap_serve_docs_flag_turns_the_pages_on_for_its_workers() -> None:
     import argparse
 
-    from api.serve_cli import add_arguments, worker_environment
     from api.settings import settings_from_environment
+    from tokcap.commands.serve import add_arguments, worker_environment
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

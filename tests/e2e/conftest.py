@@ -69,7 +69,7 @@ def worker(redis_socket: str, worker_delivery: str) -> Iterator[subprocess.Popen
             [
                 sys.executable,
                 "-m",
-                "transports.cli.worker",
+                "tokcap.commands.worker",
                 "--url",
                 redis_socket,
                 "--concurrency",

@@ -274,7 +274,7 @@ def test_worker_healthcheck_passes_against_a_real_worker(
     worker = [
         sys.executable,
         "-m",
-        "transports.cli.worker",
+        "tokcap.commands.worker",
         "--block-ms",
         "200",
     ]
@@ -313,7 +313,7 @@ def test_cluster_worker_healthcheck_passes_against_a_real_cluster_worker(
     check = [sys.executable, "-c", code]
     environ = {**os.environ, "TOKCAP_REDIS_URL": redis_cluster.url, "PYTHONPATH": str(ROOT)}
     assert subprocess.run(check, capture_output=True, timeout=30, env=environ).returncode != 0
-    worker = [sys.executable, "-m", "transports.cli.worker", "--cluster", "--shards", "3"]
+    worker = [sys.executable, "-m", "tokcap.commands.worker", "--cluster", "--shards", "3"]
     with run_process(worker, env={"PYTHONPATH": str(ROOT), "TOKCAP_REDIS_URL": redis_cluster.url}):
         deadline = time.monotonic() + 30
         while subprocess.run(check, capture_output=True, timeout=30, env=environ).returncode != 0:

@@ -93,7 +93,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         upstream = _start_engine(spec, workdir, engine_port, servers)
         frontend = Service(
             "frontend",
-            "api.serve_cli",
+            "tokcap.commands.serve",
             [
                 "--config",
                 spec["frontend_config"],

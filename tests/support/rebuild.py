@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from capture.records import TokenEntry
 from tests.support.rollouts import growing_rollout
-from transports.cli import worker as worker_cli
+from tokcap.commands import worker as worker_cli
 from transports.rebuild.publish import Published
 from transports.rebuild.results import decode_result
 from transports.rebuild.settings import WorkerSettings

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from tests.support.chains import loop
 from tests.support.rollouts import growing_rollout
-from transports.cli.inspect import UNKNOWN_ROLE, chain_role, inspect_rollout, main, render
+from tokcap.commands.inspect import UNKNOWN_ROLE, chain_role, inspect_rollout, main, render
 
 
 def located(store: Any, request: pytest.FixtureRequest) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from tests.support.rebuild import (
     rollout_entries,
 )
 from tests.support.rollouts import growing_rollout
-from transports.cli.inspect import inspect_rollout
+from tokcap.commands.inspect import inspect_rollout
 from transports.rebuild.jobs import (
     MalformedJobError,
     RebuildQueue,
@@ -231,7 +231,7 @@ async def test_unacked_results_are_delivered_again(redis_url: str, redis_prefix:
 def _cli(command: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run one subcommand's module, as ``tokcap <command>`` would."""
     return subprocess.run(
-        [sys.executable, "-m", f"transports.cli.{command}", *args],
+        [sys.executable, "-m", f"tokcap.commands.{command}", *args],
         input=stdin,
         capture_output=True,
         text=True,

@@ -226,7 +226,7 @@ async def test_workers_rebuild_across_every_shard_and_the_trainer_reads_them_all
 async def test_submit_command_queues_on_the_cluster_shards(
     redis_cluster: LocalCluster, redis_prefix: str, tmp_path, capsys
 ) -> None:
-    from transports.cli import submit
+    from tokcap.commands import submit
 
     path = tmp_path / "records.jsonl"
     rollout_ids = [f"cli-{n}" for n in range(6)]

@@ -25,12 +25,12 @@ from redis.cluster import RedisCluster
 
 from capture.delivery import RolloutBuild
 from capture.summary import RolloutSummary
-from transports.cli import report as report_cli
-from transports.cli.report import (
+from tokcap.commands import report as report_cli
+from tokcap.report.drawing import plot
+from tokcap.report.figures import (
     Figures,
     compute_figures,
     fraction_bin,
-    plot,
     reason_group,
     warnings_of,
 )

@@ -1,7 +1,7 @@
 """Rebuild workers as real processes under faults: kill -9 mid-job, many workers, bad jobs,
 SIGTERM with jobs in flight, and jobs that keep failing.
 
-Every worker is a ``python -m transports.cli.worker`` child (or the slow worker of
+Every worker is a ``python -m tokcap.commands.worker`` child (or the slow worker of
 ``tests.support.rebuild``, the same CLI with a pause between publish and retire) stopped by
 its PID; waits are bounded polls of Redis state, never timing assertions.
 """
@@ -54,7 +54,7 @@ class WorkerProcess:
     ) -> None:
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        module = ["transports.cli.worker"]
+        module = ["tokcap.commands.worker"]
         if delay_after_publish_ms:
             delay = str(delay_after_publish_ms)
             module = ["tests.support.rebuild", "--delay-after-publish-ms", delay]

@@ -18,7 +18,7 @@ from transports.redis.keys import Streams
 class WorkerSettings:
     """Everything a worker process needs; the CLI fills it from flags."""
 
-    url: str  # no Redis is assumed (``transports.cli.redis_url``): the caller names it
+    url: str  # no Redis is assumed (``tokcap.commands.redis_url``): the caller names it
     key_prefix: str = k.DEFAULT_PREFIX
     group: str = "rebuild"
     consumer: str = field(default_factory=k.consumer_name)

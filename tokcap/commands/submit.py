@@ -12,13 +12,13 @@ import sys
 from typing import Any
 
 from capture.rollout_ids import rollout_id_from_run_body
-from tokcap.help import verb_main
-from transports.cli.redis_url import (
+from tokcap.commands.redis_url import (
     MissingUrlError,
     add_cluster_argument,
     add_url_argument,
     redis_url,
 )
+from tokcap.help import verb_main
 from transports.rebuild.jobs import RebuildQueue
 from transports.redis.keys import DEFAULT_PREFIX, stream_names
 

@@ -32,8 +32,8 @@ from capture.errors import InvalidRolloutIdError
 from capture.records import TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
+from tokcap.commands.redis_url import add_cluster_argument
 from tokcap.help import verb_main
-from transports.cli.redis_url import add_cluster_argument
 from transports.redis.keys import DEFAULT_PREFIX
 
 UNKNOWN_ROLE = "?"  # the builder names no role for this chain

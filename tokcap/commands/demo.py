@@ -149,7 +149,7 @@ def _start_backend(kind: str, workdir: Path, workers: int) -> Backend:
         for n in range(workers):
             worker = Service(
                 f"worker-{n}",
-                "transports.cli.worker",
+                "tokcap.commands.worker",
                 ["--url", server.url, "--concurrency", "4", "--log-level", "warning"],
                 workdir,
             )
@@ -187,7 +187,7 @@ def _start_serving(
     config = _frontend_config(workdir / f"frontend-{name}.yaml", engine_url, backend.capture_block)
     front = Service(
         f"frontend-{name}",
-        "api.serve_cli",
+        "tokcap.commands.serve",
         ["--config", str(config), "--host", "127.0.0.1", "--port", str(front_port)],
         workdir,
     )

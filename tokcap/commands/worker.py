@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable
 
 from capture.build.segments import DELIVERIES
+from tokcap.commands.redis_url import add_cluster_argument, add_url_argument, redis_url
 from tokcap.help import verb_main
-from transports.cli.redis_url import add_cluster_argument, add_url_argument, redis_url
 from transports.rebuild.settings import WorkerSettings
 from transports.rebuild.worker import RebuildWorker, run_worker
 

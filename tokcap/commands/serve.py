@@ -1,4 +1,4 @@
-"""``tokcap serve``: run the front end with uvicorn (``python -m api.serve_cli`` works too).
+"""``tokcap serve``: run the front end with uvicorn (``python -m tokcap.commands.serve`` works too).
 
 uvicorn starts its worker processes from an import string, so the settings travel to them
 through the environment (TOKCAP_CONFIG, TOKCAP_UPSTREAM), set only while they run; each

@@ -1,0 +1,1 @@
+"""``tokcap report``'s parts: reading records, counting them, drawing the figures."""

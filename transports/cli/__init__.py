@@ -1,1 +1,0 @@
-"""The `tokcap worker`, `submit` and `inspect` commands."""
