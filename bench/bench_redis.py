@@ -39,6 +39,8 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from tokcap_devtools.processes import stop_process
+from tokcap_devtools.redis_server import RedisServer
 
 from bench.bench_capture import (
     STORE_KINDS,
@@ -47,8 +49,6 @@ from bench.bench_capture import (
     print_table,
     synthetic_rollout,
 )
-from tokcap.processes import stop_process
-from tokcap.redis_server import RedisServer
 from transports.redis import RedisTokenStore
 from transports.redis.keys import rollout_key
 

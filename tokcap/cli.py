@@ -22,7 +22,7 @@ SUBCOMMANDS = {
     "inspect": ("tokcap.commands.inspect", "show what is captured for one rollout"),
     "report": ("tokcap.commands.report", "summarize a step's rebuilt records: what to watch"),
     "demo": (
-        "tokcap.commands.demo",
+        "tokcap_devtools.demo",
         "run the whole pipeline on scripted rollouts and print the result",
     ),
 }
@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if getattr(args, "_missing", None):
         print(
-            f"tokcap {args.command}: not available in this build ({args._missing})", file=sys.stderr
+            f"tokcap {args.command}: not available in this build ({args._missing}; "
+            "it comes with tokcap-devtools)",
+            file=sys.stderr,
         )
         return 2
     return int(args._run(args) or 0)

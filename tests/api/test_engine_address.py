@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokcap.processes import free_port, stop_process, wait_http
+from tokcap_devtools.processes import free_port, stop_process, wait_http
 
 
 def test_the_engine_prints_its_address(tmp_path: Path) -> None:

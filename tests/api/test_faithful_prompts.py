@@ -252,7 +252,7 @@ def test_canonical_keys_ignore_form_and_keep_content():
 
 def test_a_renderer_that_cannot_use_the_tokenizer_is_a_config_error():
     with pytest.raises(ConfigError, match="tool_response"):
-        build_renderer("qwen3", "engine/assets/tokenizer.json")
+        build_renderer("qwen3", "devtools/engine/assets/tokenizer.json")
     with pytest.raises(ConfigError, match="unknown"):
         build_renderer("no-such-renderer", "qwen3")
     with pytest.raises(ConfigError, match="tokenizer"):
@@ -265,7 +265,7 @@ def test_entries_carry_the_fallback_reason():
 
 @pytest.mark.parametrize("spec", ["qwen3", "file", "directory"])
 def test_vocabularies_round_trip_text_and_bytes(spec: str, tmp_path) -> None:
-    shipped = Path("engine/assets/tokenizer.json").resolve()
+    shipped = Path("devtools/engine/assets/tokenizer.json").resolve()
     if spec == "directory":
         (tmp_path / "tokenizer.json").write_bytes(shipped.read_bytes())
     vocab = load_vocab({"qwen3": "qwen3", "file": str(shipped), "directory": str(tmp_path)}[spec])

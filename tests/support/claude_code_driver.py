@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tokcap_devtools.processes import Service, free_port, wait_http
 
 from tests.support.claude_code import run_claude
-from tokcap.processes import Service, free_port, wait_http
 
 SERVER_START_TIMEOUT_S = 90.0
 VLLM_START_TIMEOUT_S = 300.0

@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from tokcap.redis_cluster import LocalCluster
-from tokcap.redis_server import RedisServerUnavailable
+from tokcap_devtools.redis_cluster import LocalCluster
+from tokcap_devtools.redis_server import RedisServerUnavailable
 
 
 def _start(data_dir: Path) -> LocalCluster:

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-
-from tokcap.redis_server import DURABLE, RedisServerUnavailable
-from tokcap.redis_server import RedisServer as _RedisServer
+from tokcap_devtools.redis_server import DURABLE, RedisServerUnavailable
+from tokcap_devtools.redis_server import RedisServer as _RedisServer
 
 __all__ = ["DURABLE", "RedisServer"]
 

@@ -95,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"tokcap report: cannot write {args.png}: {exc}", file=sys.stderr)
             return 2
+        except ImportError:
+            print(
+                "tokcap report: --png needs matplotlib: pip install 'tokcap[report]'",
+                file=sys.stderr,
+            )
+            return 2
     if args.json:
         print(json.dumps(figures.as_dict()))
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from api.prompts.vocab import qwen3_tokenizer
+from api import qwen3_tokenizer
 
 from .template import render
 from .tokenizer import QWEN3, EngineTokenizer

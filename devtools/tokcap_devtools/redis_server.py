@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from tokcap.processes import free_port, stop_process
+from tokcap_devtools.processes import free_port, stop_process
 
 DURABLE = {"appendonly": "yes", "appendfsync": "always", "save": ""}
 

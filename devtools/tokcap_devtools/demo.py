@@ -31,9 +31,9 @@ from rich.progress import Progress
 from rich.table import Table
 from rich.text import Text
 
-from capture.rollout_ids import capture_base_url
-from tokcap.processes import Service, free_port
-from tokcap.redis_server import RedisServer, redis_server_binary
+from capture import capture_base_url
+from tokcap_devtools.processes import Service, free_port
+from tokcap_devtools.redis_server import RedisServer, redis_server_binary
 
 MODEL = "tokcap-engine"
 SYSTEM = "You are a careful agent. Use the tools, then answer."
@@ -289,8 +289,11 @@ async def _rebuild(
     """Rebuilt records, by rollout id: through the worker pool, or in this process."""
     task = progress.add_task("rebuilding", total=len(records))
     if backend.kind == "file":
-        from capture.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
-        from capture.filestore.store import TokenCaptureStore
+        from capture import (
+            TokenCaptureStore,
+            finalize_rollout_token_capture,
+            retire_rollout_token_capture,
+        )
 
         store = TokenCaptureStore(backend.store_dir)
         try:

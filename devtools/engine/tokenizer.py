@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from api.prompts.vocab import (
+from api import (
     BYTE_TO_CHAR,
     CHAR_TO_BYTE,
     QWEN3,

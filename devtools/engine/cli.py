@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from tokcap.help import verb_main
+from tokcap import verb_main
 
 from .settings import LOGPROBS_MODES, WIRES, EngineSettings, load_generation_config
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from tokcap.redis_server import RedisServer, RedisServerUnavailable
+from tokcap_devtools.redis_server import RedisServer, RedisServerUnavailable
 
 NODE_TIMEOUT_MS = 1000
 

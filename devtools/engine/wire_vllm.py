@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from api.jsonbytes import JSONBytesResponse
+from api import JSONBytesResponse
 
 from . import calls, responses
 from .generation import ContextLengthError, Engine, ScriptedError
