@@ -16,7 +16,7 @@ from typing import Any
 
 from api.dialects.common import arguments_text, item_id, new_id
 from api.generation import Generation
-from api.types import CapturedCall
+from api.types import ServedCall
 from capture.codec.packed import PackedIds
 from capture.context import CallCapture, capture_entry, current_call, mark_incomplete
 from capture.protocols import reads_packed_ids
@@ -111,13 +111,13 @@ def _clamp_field(generation: Generation) -> dict[str, Any]:
     return {"max_tokens_clamped": {"asked": asked, "sent": sent}}
 
 
-async def capture(generation: Generation, reply_id: str | None = None) -> CapturedCall:
+async def capture(generation: Generation, reply_id: str | None = None) -> ServedCall:
     """Capture the ids of a completion that is about to be served (in the reply
     ``reply_id``); never raises."""
     items = output_items(generation, reply_id)
     call = current_call()
     if call is None:
-        return CapturedCall(generation, items, None, "uncaptured")
+        return ServedCall(generation, items, None, "uncaptured")
     started = time.perf_counter()
     entry = None
     if generation.ids_problem is not None:
@@ -131,4 +131,4 @@ async def capture(generation: Generation, reply_id: str | None = None) -> Captur
             entry = await capture_entry(built)
     seconds = time.perf_counter() - started
     outcome = "captured" if entry is not None else "unrecorded" if call.unrecorded else "incomplete"
-    return CapturedCall(generation, items, entry, outcome, seconds)
+    return ServedCall(generation, items, entry, outcome, seconds)

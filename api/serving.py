@@ -35,7 +35,7 @@ from api.limits import RETRY_HEADERS, parse_json_object, release_body, take_body
 from api.metrics import FrontEndMetrics
 from api.prompts.faithful import FaithfulPrompts, Prompt
 from api.traits import request_traits, with_traits
-from api.types import CapturedCall
+from api.types import ServedCall
 from capture.context import (
     CallCapture,
     begin_call,
@@ -115,7 +115,7 @@ class CallWork:
     deltas: asyncio.Queue[Delta] | None = None
     generating: bool = True
     started: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[CapturedCall | Failed] = field(init=False)
+    task: asyncio.Task[ServedCall | Failed] = field(init=False)
 
 
 async def serve_call(request: Request, dialect: Dialect) -> Response:
@@ -233,7 +233,7 @@ async def _work(
     traits: dict[str, Any],
     prompt: Prompt | None,
     reply_id: str,
-) -> CapturedCall | Failed:
+) -> ServedCall | Failed:
     """The engine, then the capture; the outcome the harness is answered with."""
     metrics: FrontEndMetrics = state.metrics
     intent = _begin_call_while_dispatching()
@@ -338,7 +338,7 @@ def _abandon(work: CallWork, metrics: FrontEndMetrics) -> None:
 
     def unserved(task: asyncio.Task[Any]) -> None:
         outcome = None if task.cancelled() else task.result()
-        if isinstance(outcome, CapturedCall) and outcome.outcome != "unrecorded":
+        if isinstance(outcome, ServedCall) and outcome.outcome != "unrecorded":
             metrics.unreceived.inc()
             resolve_unserved(reason, work.call)
 

@@ -22,8 +22,9 @@ CaptureOutcome = Literal["captured", "incomplete", "unrecorded", "uncaptured"]
 
 
 @dataclass(frozen=True)
-class CapturedCall:
-    """A completion, the items served for it, and the outcome of its capture."""
+class ServedCall:
+    """A completion as served: the items the harness gets and how its capture ended (the
+    running state of a capture is ``capture.context.CallCapture``)."""
 
     generation: Generation
     items: list[dict[str, Any]]

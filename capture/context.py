@@ -94,8 +94,9 @@ async def capture_call(
         _current.reset(token)
 
 
-async def durably(write: Callable[[], Awaitable[Any]], until: float) -> Exception | None:
-    """Run ``write`` until it succeeds or the monotonic clock passes ``until``.
+async def retry_until(write: Callable[[], Awaitable[Any]], until: float) -> Exception | None:
+    """Run ``write`` until it succeeds or the monotonic clock passes ``until`` (a retry
+    loop: "durably" in tokcap means what the Redis store proves with WAIT or WAITAOF).
 
     Returns None on success, else the last error. Each attempt is cut at ``until``, so a
     stalled sink cannot hold the call longer. A frozen rollout or a conflicting payload is
@@ -168,7 +169,7 @@ async def _record_loss(
     store that comes back late in the window then gets the entry instead of a loss.
     """
     call.error = reason
-    failed = await durably(lambda: _entry_else_loss(call, entry), until)
+    failed = await retry_until(lambda: _entry_else_loss(call, entry), until)
     if failed is None:
         if call.entry is None:
             call.incomplete = True
@@ -210,7 +211,7 @@ async def mark_incomplete(reason: str) -> None:
 async def _put(call: CallCapture, entry: TokenEntry, until: float) -> tuple[str | None, bool]:
     """Put the entry before ``until``: (None when stored, else why not; whether to retry)."""
     try:
-        failed = await durably(lambda: call.sink.put(entry), until)
+        failed = await retry_until(lambda: call.sink.put(entry), until)
     except RolloutFrozenError as exc:
         if call.intent_recorded:
             # The frozen snapshot already counts this call's pending intent as lost.
@@ -277,7 +278,7 @@ async def void_call() -> None:
         return
     until = time.monotonic() + call.timeout_s
     try:
-        failed = await durably(lambda: void(call.rollout_id, call.model_call_id), until)
+        failed = await retry_until(lambda: void(call.rollout_id, call.model_call_id), until)
     except RolloutFrozenError:
         return  # the snapshot already counted the pending intent as lost
     if failed is not None:
@@ -297,7 +298,7 @@ async def _note_unreceived(call: CallCapture, reason: str, until: float) -> None
         await _record_loss(call, f"{reason} (the sink cannot note receipts)", until)
         return
     try:
-        failed = await durably(lambda: mark(call.rollout_id, call.model_call_id), until)
+        failed = await retry_until(lambda: mark(call.rollout_id, call.model_call_id), until)
     except RolloutFrozenError:
         # The snapshot may already be handed off with this call in it: only a loss,
         # which is allowed after freeze and changes its version, can still say so.

@@ -29,7 +29,7 @@ from api.dialects.common import (
     tool_call,
 )
 from api.sse import event
-from api.types import CapturedCall
+from api.types import ServedCall
 
 NAME = "anthropic"
 
@@ -221,7 +221,7 @@ def count_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return request
 
 
-def content_blocks(captured: CapturedCall) -> list[dict[str, Any]]:
+def content_blocks(captured: ServedCall) -> list[dict[str, Any]]:
     """The reply's content blocks, in the order the policy generated them."""
     blocks: list[dict[str, Any]] = []
     for item in captured.items:
@@ -255,7 +255,7 @@ def reply_head(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def reply(
-    captured: CapturedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
+    captured: ServedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The Messages reply to the harness: content only, never token arrays."""
     head = head or reply_head(body)

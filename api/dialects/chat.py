@@ -21,7 +21,7 @@ from api.dialects.common import (
     require_mapping,
 )
 from api.sse import event
-from api.types import CapturedCall
+from api.types import ServedCall
 
 NAME = "chat"
 
@@ -115,7 +115,7 @@ def reply_head(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def reply(
-    captured: CapturedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
+    captured: ServedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The chat completion served to the harness (no log-probs, no token ids)."""
     head = head or reply_head(body)

@@ -28,7 +28,7 @@ from api.dialects.common import (
     tool_call,
 )
 from api.sse import event
-from api.types import CapturedCall
+from api.types import ServedCall
 
 NAME = "responses"
 
@@ -199,7 +199,7 @@ def _response(head: Mapping[str, Any], body: Mapping[str, Any], **state: Any) ->
 
 
 def reply(
-    captured: CapturedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
+    captured: ServedCall, body: Mapping[str, Any], head: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The Responses object served to the harness: the captured items, no token arrays."""
     generation = captured.generation

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
-from transports.rebuild.layout import layout_key, mismatch
+from transports.rebuild.layout import mismatch
 from transports.rebuild.results import decode_result
 from transports.redis.clients import RedisOptions, open_sync_client
-from transports.redis.keys import as_text, shard_names
+from transports.redis.keys import as_text, layout_key, shard_names
 
 _STREAM_PAGE = 64  # results per XRANGE reply; each holds a whole final context
 

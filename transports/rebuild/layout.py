@@ -12,16 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from capture.errors import ConfigError
-from transports.redis.keys import as_text
+from transports.redis.keys import as_text, layout_key
 
 
 class QueueLayoutError(ConfigError):
     """This process was given another shard layout than the queue already has."""
-
-
-def layout_key(stream: str) -> str:
-    """Where a queue's layout is kept: beside its base stream's name."""
-    return f"{stream}.layout"
 
 
 def layout_value(shards: int, cluster: bool) -> str:

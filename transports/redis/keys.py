@@ -152,6 +152,12 @@ def shard_of(rollout_id: str, shards: int) -> int:
     return key_slot(rollout_id.encode()) * shards // REDIS_CLUSTER_HASH_SLOTS
 
 
+def layout_key(stream: str) -> str:
+    """Where a queue's layout (its shard count and cluster tagging) is kept: beside its base
+    stream's name (``transports.rebuild.layout``)."""
+    return f"{stream}.layout"
+
+
 def consumer_name() -> str:
     """This process's default name in a consumer group: its host and PID, unique while it
     lives, so two workers or readers never share pending entries by accident."""
