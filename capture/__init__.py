@@ -1,6 +1,24 @@
 """tokcap's capture contract and algorithms; importable without any server stack.
 
 Names are resolved lazily so importing one piece (say, the records) does not load the rest.
+
+The words every package uses, one per concept:
+
+- call: one request the harness sent and the engine answered; its ``entry`` is what was
+  captured of it (prompt ids, generated ids, log-probs), put once into the ``sink``.
+- lost call: a call whose entry could not be kept; the sink records its loss with
+  ``mark_incomplete`` (a Redis ``m:`` field) and the rollout is ``incomplete``. Two ways
+  the harness did not get a reply are named apart: ``unserved`` (answered 503, or a stream
+  ended with an error event) and ``unreceived`` (the harness hung up after the reply).
+- durable: kept through a crash, as the Redis store proves with WAIT or WAITAOF; a call
+  that cannot be made durable in time is not answered. ``capture.context.retry_until`` is
+  only the retry loop around a put.
+- engine: the model server that samples (vLLM, SGLang); an engine adapter
+  (``api.engines``) speaks one family's wire; the upstream client (``api.upstream``) is the
+  front end's client of it; the development engine (``tokcap engine``, ``devtools/``) is
+  the test stand-in for one.
+- chain: calls whose prompts extend each other; the main chain is delivered, each other
+  chain is reported, or delivered as a ``segment`` (``delivery: segments``).
 """
 
 from __future__ import annotations

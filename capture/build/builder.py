@@ -18,33 +18,25 @@ delivered, and several roots mask the rollout: a stranger's call or a title call
 become the delivered chain by arriving first. Other chains (titles, compaction summaries,
 sub-agents) are reported, never silently dropped. A call whose reply the harness never
 received (``snapshot.unreceived``) is left out unless a later call extends it, and counted.
-
-Full sequences are indexed by their first tokens and by length, and a prompt tries the
-longest candidate lengths first, so an ordinary chain finds its parent with one comparison
-and the whole build costs about one pass over the ids.
+The links themselves, and what they cost, are ``capture.build.graph``'s.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from capture.build.final_answer import answer_signature
+from capture.build.graph import Graph, build_graph, link, path_to, settle_retries
 from capture.build.projection import flat_ids_and_mask, project_chain
 from capture.build.roots import RootCheck, check_roots
 from capture.build.segments import Segment, checked_delivery, role_of, segments_of
-from capture.codec.views import IdView, shares_prefix
+from capture.codec.views import IdView
 from capture.errors import ConflictingEntryError
 from capture.lineage import FALLBACK_FIELD
 from capture.records import TokenEntry
-
-# Full sequences are grouped by their first tokens, so an unrelated root (a title call with
-# its own system prompt) is never compared against every call of the main chain.
-_KEY_TOKENS = 32
-# What a rebuild delivers: the main chain only, or every chain (the others as segments).
 
 
 @dataclass(frozen=True)
@@ -113,52 +105,6 @@ class BuildResult:
         return flat_ids_and_mask(self.output)
 
 
-def _extends(prompt: list[int], parent: TokenEntry) -> bool:
-    """Whether ``prompt`` starts with the parent's prompt + generation.
-
-    A store's freeze hands the calls of a chain as views of one shared sequence, and then
-    identity answers in O(1). Otherwise cheap probes first (a sibling branch usually differs
-    at its end); then list equality, pointer comparison when the ids share objects.
-    """
-    before = parent.prompt_token_ids
-    generation = parent.generation_token_ids
-    if shares_prefix(prompt, before, generation):
-        return True
-    start = len(before)
-    end = start + len(generation)
-    if end > len(prompt) or prompt[end - 1] != generation[-1] or prompt[start] != generation[0]:
-        return False
-    if before and prompt[start - 1] != before[-1]:
-        return False
-    return prompt[start:end] == generation and prompt[:start] == before
-
-
-@dataclass
-class _LengthIndex:
-    """Full sequences (as call positions) by length, lengths kept sorted."""
-
-    lengths: list[int] = field(default_factory=list)
-    at: dict[int, list[int]] = field(default_factory=dict)
-
-    def add(self, length: int, call: int) -> None:
-        calls = self.at.get(length)
-        if calls is None:
-            insort(self.lengths, length)
-            self.at[length] = [call]
-        else:
-            calls.append(call)
-
-    def longest_prefixes(self, prompt: list[int], calls: list[TokenEntry]) -> list[int]:
-        """Calls whose full sequence is the longest prefix of ``prompt`` found here."""
-        position = bisect_right(self.lengths, len(prompt)) - 1
-        while position >= 0:
-            found = [c for c in self.at[self.lengths[position]] if _extends(prompt, calls[c])]
-            if found:
-                return found
-            position -= 1
-        return []
-
-
 def _entries_of(source: Any) -> tuple[str, list[TokenEntry]]:
     """The rollout id and entries of a snapshot (anything with ``entries``) or an iterable."""
     raw = getattr(source, "entries", source)
@@ -198,122 +144,8 @@ def _unique(entries: Iterable[TokenEntry]) -> list[TokenEntry]:
     return list(by_id.values())
 
 
-def _link(calls: list[TokenEntry]) -> tuple[list[int | None], list[bool]]:
-    """Parent position and ambiguity of each call (calls sorted by prompt length)."""
-    parents: list[int | None] = []
-    ambiguous: list[bool] = []
-    keyed: dict[tuple[int, ...], _LengthIndex] = {}
-    short = _LengthIndex()  # full sequences shorter than the key
-    for position, entry in enumerate(calls):
-        prompt = entry.prompt_token_ids
-        found: list[int] = []
-        if len(prompt) >= _KEY_TOKENS:
-            group = keyed.get(tuple(prompt[:_KEY_TOKENS]))
-            if group is not None:
-                found = group.longest_prefixes(prompt, calls)
-        if not found:
-            found = short.longest_prefixes(prompt, calls)
-        # Candidates are in processing order, so the nominal parent of an ambiguous call
-        # does not depend on arrival order.
-        parents.append(found[0] if found else None)
-        ambiguous.append(len(found) > 1)
-        full = len(prompt) + len(entry.generation_token_ids)
-        if full >= _KEY_TOKENS:
-            key = tuple(
-                (prompt[:_KEY_TOKENS] + entry.generation_token_ids[:_KEY_TOKENS])[:_KEY_TOKENS]
-            )
-            keyed.setdefault(key, _LengthIndex()).add(full, position)
-        else:
-            short.add(full, position)
-    return parents, ambiguous
-
-
-def _retry_groups(parents: list[int | None], calls: list[TokenEntry]) -> list[list[int]]:
-    """Sibling calls with identical prompts (identical prompts imply the same parent)."""
-    buckets: dict[tuple[int | None, int], list[int]] = {}
-    for position, parent in enumerate(parents):
-        size = len(calls[position].prompt_token_ids)
-        buckets.setdefault((parent, size), []).append(position)
-    groups = []
-    for members in buckets.values():
-        if len(members) < 2:
-            continue
-        same: list[list[int]] = []
-        for position in members:
-            prompt = calls[position].prompt_token_ids
-            for group in same:
-                if calls[group[0]].prompt_token_ids == prompt:
-                    group.append(position)
-                    break
-            else:
-                same.append([position])
-        groups.extend(group for group in same if len(group) > 1)
-    return groups
-
-
-@dataclass
-class _Graph:
-    """The linked calls of one rollout, position by position (parents sort first)."""
-
-    calls: list[TokenEntry]
-    ids: list[str]
-    parents: list[int | None]
-    ambiguous: list[bool]
-    has_child: list[bool]
-    depth: list[int]  # calls from the root to here
-    generated: list[int]  # generated tokens from the root to here
-    tainted: list[bool]  # an ambiguous call on the path from the root
-    root_of: list[int]
-
-
-def _graph(calls: list[TokenEntry]) -> _Graph:
-    """Link every call to its parent, then walk forward once (a parent always sorts first)."""
-    parents, ambiguous = _link(calls)
-    size = len(calls)
-    graph = _Graph(
-        calls=calls,
-        ids=[call.model_call_id for call in calls],
-        parents=parents,
-        ambiguous=ambiguous,
-        has_child=[False] * size,
-        depth=[1] * size,
-        generated=[len(call.generation_token_ids) for call in calls],
-        tainted=list(ambiguous),
-        root_of=list(range(size)),
-    )
-    for position, parent in enumerate(parents):
-        if parent is None:
-            continue
-        graph.has_child[parent] = True
-        graph.depth[position] = graph.depth[parent] + 1
-        graph.generated[position] += graph.generated[parent]
-        graph.tainted[position] = graph.tainted[parent] or ambiguous[position]
-        graph.root_of[position] = graph.root_of[parent]
-    return graph
-
-
-def _settle_retries(graph: _Graph) -> tuple[set[int], list[tuple[str, ...]]]:
-    """(retries discarded because a sibling was extended, groups none of which was)."""
-    discarded: set[int] = set()
-    unresolved: list[tuple[str, ...]] = []
-    for group in _retry_groups(graph.parents, graph.calls):
-        if any(graph.has_child[position] for position in group):
-            discarded.update(position for position in group if not graph.has_child[position])
-        else:
-            unresolved.append(tuple(sorted(graph.ids[position] for position in group)))
-    return discarded, unresolved
-
-
-def _path_to(graph: _Graph, leaf: int | None) -> list[int]:
-    path: list[int] = []
-    while leaf is not None:
-        path.append(leaf)
-        leaf = graph.parents[leaf]
-    return path[::-1]
-
-
 def _chains(
-    graph: _Graph, leaves: list[int], roots: list[int], main_leaf: int | None
+    graph: Graph, leaves: list[int], roots: list[int], main_leaf: int | None
 ) -> tuple[ChainInfo, ...]:
     """Every root-to-leaf chain, by root (earliest first), then by its leaf's creation (so
     the chain that shares its first calls with a later one always delivers them)."""
@@ -343,7 +175,7 @@ def _chains(
 
 
 def _mask_reasons(
-    graph: _Graph,
+    graph: Graph,
     n_entries: int,
     unmatched: str,
     unresolved: list[tuple[str, ...]],
@@ -391,9 +223,9 @@ def run_builder(
         calls, set(getattr(entries_or_snapshot, "unreceived", ()))
     )
     calls, identical = _fold_identical(calls)
-    graph = _graph(calls)
+    graph = build_graph(calls)
     ids = graph.ids
-    discarded, unresolved = _settle_retries(graph)
+    discarded, unresolved = settle_retries(graph)
     kept, roots, leaves = _survivors(graph, discarded)
     main_leaf, main_by, unmatched = _main_leaf(
         calls, ids, leaves, roots, graph.root_of, final_answer
@@ -402,7 +234,7 @@ def run_builder(
         # A retry of the final call, none extended: the final answer names the one kept.
         unresolved = _resolve_by_answer(graph, unresolved, ids[main_leaf], discarded)
         kept, roots, leaves = _survivors(graph, discarded)
-    main_path = _path_to(graph, main_leaf)
+    main_path = path_to(graph, main_leaf)
     main_entries = tuple(calls[position] for position in main_path)
     chains = _chains(graph, leaves, roots, main_leaf)
     checked = check_roots(calls, roots, graph.root_of, main_path[0]) if main_path else RootCheck()
@@ -466,7 +298,7 @@ def _root_reasons(
     return reasons
 
 
-def _survivors(graph: _Graph, discarded: set[int]) -> tuple[list[int], list[int], list[int]]:
+def _survivors(graph: Graph, discarded: set[int]) -> tuple[list[int], list[int], list[int]]:
     """(kept calls, roots by creation, leaves) once the discarded retries are left out."""
     kept = [position for position in range(len(graph.calls)) if position not in discarded]
     roots = sorted(
@@ -478,7 +310,7 @@ def _survivors(graph: _Graph, discarded: set[int]) -> tuple[list[int], list[int]
 
 
 def _resolve_by_answer(
-    graph: _Graph, unresolved: list[tuple[str, ...]], main_id: str, discarded: set[int]
+    graph: Graph, unresolved: list[tuple[str, ...]], main_id: str, discarded: set[int]
 ) -> list[tuple[str, ...]]:
     """Unresolved retry groups left once the one the final answer chose is kept."""
     position_of = {call_id: position for position, call_id in enumerate(graph.ids)}
@@ -517,7 +349,7 @@ def _fold_identical(calls: list[TokenEntry]) -> tuple[list[TokenEntry], tuple[st
 
 
 def _segments(
-    graph: _Graph, chains: tuple[ChainInfo, ...], main_path: list[int], left_out: set[str]
+    graph: Graph, chains: tuple[ChainInfo, ...], main_path: list[int], left_out: set[str]
 ) -> list:
     """The chains beside the main one, as segments (none when nothing is delivered), but for
     those whose root is left out (``capture.build.roots``)."""
@@ -525,7 +357,7 @@ def _segments(
         return []
     position_of = {call_id: position for position, call_id in enumerate(graph.ids)}
     paths = [
-        _path_to(graph, position_of[chain.leaf])
+        path_to(graph, position_of[chain.leaf])
         for chain in chains
         if not chain.main and not chain.quarantined and chain.root not in left_out
     ]
@@ -547,7 +379,7 @@ def _without_unreceived(
     """
     if not unreceived.intersection(call.model_call_id for call in calls):
         return calls, ()
-    parents, _ = _link(calls)
+    parents, _ = link(calls)
     extended = [False] * len(calls)
     dropped: set[int] = set()
     for position in range(len(calls) - 1, -1, -1):

@@ -40,12 +40,14 @@ class WorkerSettings:
 
     @property
     def redis(self) -> RedisOptions:
-        """The worker's Redis as one options object: its store and its job client use it."""
+        """The worker's Redis as one options object, for its store, whose client also reads
+        the jobs: the socket timeout leaves room for a read that blocks ``block_ms``."""
         return RedisOptions(
             url=self.url,
             cluster=self.cluster,
             durability=self.durability,
             wait_timeout_ms=self.wait_timeout_ms,
+            socket_timeout_s=RedisOptions.socket_timeout_s + self.block_ms / 1000,
         )
 
     def __post_init__(self) -> None:

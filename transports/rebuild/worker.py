@@ -49,7 +49,7 @@ from transports.rebuild.settings import WorkerSettings
 from transports.rebuild.shards import Job, JobShards, job_key
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
-from transports.redis.clients import TRANSIENT_ERRORS, open_client
+from transports.redis.clients import TRANSIENT_ERRORS
 from transports.redis.keys import Streams, as_text
 
 log = logging.getLogger("tokcap.worker")
@@ -75,11 +75,12 @@ class RebuildWorker:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.client = open_client(settings.redis, settings.block_ms)
+        # One client for everything: the store's, whose connections prove durability as
+        # they open; the job reads, acks and error notes go through it once ``start`` has
+        # proven the server.
         self.source = RedisTokenStore.from_options(settings.redis, key_prefix=settings.key_prefix)
-        self.jobs = JobShards(
-            self.client, settings.shard_streams, settings.group, settings.consumer
-        )
+        self.client: Any = None
+        self.jobs: JobShards | None = None
         self.counts = dict.fromkeys(
             (
                 "done",
@@ -111,6 +112,11 @@ class RebuildWorker:
         """
         await self.source.check()
         settings = self.settings
+        if self.jobs is None:
+            self.client = self.source.client
+            self.jobs = JobShards(
+                self.client, settings.shard_streams, settings.group, settings.consumer
+            )
         while True:
             try:
                 for stream in (settings.jobs_stream, settings.results_stream):
@@ -173,8 +179,7 @@ class RebuildWorker:
                 task.add_done_callback(self._in_flight.pop)
 
     async def close(self) -> None:
-        await self.source.close()
-        await self.client.aclose()
+        await self.source.close()  # its client is the worker's too
 
     async def _claim_stale(self, count: int) -> list[Job]:
         """Take over jobs another consumer left pending for ``claim_idle_ms``."""

@@ -169,6 +169,12 @@ class RedisTokenStore:
 
     start = check
 
+    @property
+    def client(self) -> Any:
+        """The store's own client once ``check`` has connected it (None before): its
+        connections prove durability as they open. The rebuild worker reads its jobs with it."""
+        return self._reach.client
+
     async def ping(self) -> None:
         """One PING on the store's own client (its pool, its password): for readiness."""
         if self._reach.client is None:
