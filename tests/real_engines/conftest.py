@@ -193,8 +193,10 @@ def sglang_command(python: Path, port: int, model: Path, *extra: str) -> list[st
     """SGLang's server on the CPU, as ``sglang.launch_server`` takes it: the torch-native
     attention, a KV cache sized for tests (unbounded it takes about 12 GB here), one batch at
     a time (``--disable-overlap-schedule``: the scripted processor counts each request's
-    sampled ids, which overlap scheduling reports a step late), a scheduler that sleeps when
-    idle, and the scripted turns."""
+    sampled ids, which overlap scheduling reports a step late) and the scripted turns. (Its
+    scheduler polls a core while idle; ``--sleep-on-idle`` would spare it, but then a
+    ``/health`` call, which SGLang answers with a one-token generation, could hang for over
+    30 s.)"""
     return [
         str(python),
         "-m",
@@ -203,7 +205,6 @@ def sglang_command(python: Path, port: int, model: Path, *extra: str) -> list[st
         *("--model-path", str(model), "--served-model-name", MODEL_NAME),
         *("--attention-backend", "torch_native", "--max-total-tokens", "65536"),
         *("--context-length", "8192", "--disable-overlap-schedule", "--skip-server-warmup"),
-        "--sleep-on-idle",  # its scheduler otherwise polls, a whole core, while idle
         "--enable-custom-logit-processor",
         *("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"),
         *extra,

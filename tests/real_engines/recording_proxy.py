@@ -29,6 +29,7 @@ from tests.real_engines.agent_script import SGLANG_PROCESSOR
 from tests.support.servers import serve_app
 
 SAMPLING_PATHS = ("v1/chat/completions", "v1/completions", "generate")
+READY_PATH = "/recording-proxy/ready"
 
 
 def _log_probs(choice: dict[str, Any]) -> list[float]:
@@ -92,6 +93,10 @@ class RecordingProxy:
 
         app = FastAPI(lifespan=lifespan)
 
+        @app.get(READY_PATH)
+        async def ready() -> Response:  # the proxy's own: the engine's /health may generate
+            return Response(status_code=204)
+
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(path: str, request: Request) -> Response:
             self.paths.append("/" + path)
@@ -142,7 +147,7 @@ class RecordingProxy:
 @contextlib.contextmanager
 def recording_proxy(engine: str, family: str = "vllm") -> Iterator[RecordingProxy]:
     proxy = RecordingProxy(engine, family=family)
-    with serve_app(proxy.app, ready_path="/health") as url:
+    with serve_app(proxy.app, ready_path=READY_PATH) as url:
         proxy.url = url
         yield proxy
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from tokcap_devtools.processes import Service, free_port, wait_http
 
+from tests.real_engines.recording_proxy import READY_PATH
 from tests.support.claude_code import run_claude
 
 SERVER_START_TIMEOUT_S = 90.0
@@ -59,7 +60,7 @@ def _start_engine(spec: dict[str, Any], workdir: Path, port: int, servers: list[
     recorder = Service("recorder", "tests.real_engines.recording_proxy", recorder_args, workdir)
     servers.append(recorder)
     recorder_url = f"http://127.0.0.1:{recorder_port}"
-    wait_http(recorder_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=recorder.proc)
+    wait_http(recorder_url + READY_PATH, timeout=SERVER_START_TIMEOUT_S, proc=recorder.proc)
     return recorder_url
 
 
