@@ -31,12 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.bench_capture import FINAL_ANSWER, synthetic_rollout
+from bench.bench_redis import child_load, run_together
 from tokcap_devtools.processes import stop_process
 from tokcap_devtools.redis_cluster import LocalCluster
 from tokcap_devtools.redis_server import RedisServer
-
-from bench.bench_capture import FINAL_ANSWER, synthetic_rollout
-from bench.bench_redis import child_load, run_together
 from transports.rebuild.jobs import RebuildQueue, open_client
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k

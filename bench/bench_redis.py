@@ -39,8 +39,6 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from tokcap_devtools.processes import stop_process
-from tokcap_devtools.redis_server import RedisServer
 
 from bench.bench_capture import (
     STORE_KINDS,
@@ -49,6 +47,8 @@ from bench.bench_capture import (
     print_table,
     synthetic_rollout,
 )
+from tokcap_devtools.processes import stop_process
+from tokcap_devtools.redis_server import RedisServer
 from transports.redis import RedisTokenStore
 from transports.redis.keys import rollout_key
 

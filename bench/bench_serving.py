@@ -35,12 +35,12 @@ from typing import Any
 
 import aiohttp
 import httpx
-from tokcap_devtools.redis_server import RedisServer
 
 from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import TokenCaptureStore
 from tests.support.fault_loops import GroundTruth, write_script
 from tests.support.servers import free_port, run_process
+from tokcap_devtools.redis_server import RedisServer
 from transports.redis import RedisTokenStore
 
 TOOL = {

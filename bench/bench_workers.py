@@ -22,11 +22,11 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
-from tokcap_devtools.processes import Service
-from tokcap_devtools.redis_server import RedisServer
 
 from capture.records import TokenEntry
 from tests.support.rollouts import growing_rollout
+from tokcap_devtools.processes import Service
+from tokcap_devtools.redis_server import RedisServer
 from transports.rebuild.jobs import RebuildQueue
 from transports.rebuild.results import decode_result, ensure_group
 from transports.redis import RedisTokenStore

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine.cli import add_arguments, settings_from_args
-from engine.server import create_app as create_engine_app
-from engine.settings import EngineSettings
 
 from api.app import create_app
 from api.settings import ServerSettings
 from capture.errors import ConfigError
+from engine.cli import add_arguments, settings_from_args
+from engine.server import create_app as create_engine_app
+from engine.settings import EngineSettings
 from tests.support.servers import serve_app
 
 PAGES = ("/docs", "/redoc", "/openapi.json")

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
-from tokcap_devtools.processes import free_port
 
 from api.app import READY_TIMEOUT_S
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from tests.support.frontend import both_servers, engine_server, file_store_settings, front_end
+from tokcap_devtools.processes import free_port
 
 REDIS_PASSWORD = "redis-pass-7f3a9c"
 UPSTREAM_PASSWORD = "upstream-pass-51e0"

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tokcap_devtools.processes import free_port, stop_process, wait_http
 
 from api.metrics import MULTIPROC_ENV
 from capture.errors import ConfigError
 from capture.filestore.store import TokenCaptureStore
 from tests.support.frontend import engine_server
+from tokcap_devtools.processes import free_port, stop_process, wait_http
 
 REDIS_SECRET = "redis-pw-8a1f3c"
 UPSTREAM_USER, UPSTREAM_SECRET = "gymuser", "upstream-pw-77d2e9"

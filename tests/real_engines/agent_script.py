@@ -3,7 +3,8 @@
 Imported by each engine's own logits processor (``scripted_turns`` for vLLM,
 ``sglang_turns`` for SGLang), inside that engine's process and venv, so it needs nothing but
 the standard library. A reply is chosen from the request's prompt: with tools on offer and
-no tool result yet, thinking and one hermes tool call; after a tool result, thinking and a
+no tool result yet, thinking and one hermes tool call (``list_files``, or the CLI's ``Bash``
+running ``ls`` where that is on offer); after a tool result, thinking and a
 final answer; otherwise thinking and a greeting (another one after an earlier reply, so a
 chat's turns differ). A prompt that holds ``SLOW_MARK`` asks the processor to hold its first
 step, as a long prefill under load would.
@@ -20,6 +21,9 @@ LIFT = 50.0  # how far above the largest logit the scripted token is put
 SLOW_MARK = "[slow prefill]"
 SLOW_PREFILL_S = 3.0
 ASSISTANT_TURN = "<|im_start|>assistant"
+# The Claude Code CLI offers its own tools (an engine may drop a call to a tool not on
+# offer, as SGLang's parsers do): where it offers Bash, the call runs ``ls`` with it.
+BASH_ON_OFFER = '"name": "Bash"'
 # What a request to SGLang names its processor with: ``sglang_turns.ScriptedTurns`` by
 # reference (a protocol-0 pickle), in the ``{"callable": hex}`` form SGLang's
 # ``CustomLogitProcessor.to_str`` writes; building it needs neither dill nor SGLang.
@@ -29,6 +33,11 @@ SCRIPTS = {
     "call": (
         "<think>\nThe user wants the files listed, so I will call the tool.\n</think>\n\n"
         '<tool_call>\n{"name": "list_files", "arguments": {"path": "."}}\n</tool_call>'
+    ),
+    "bash": (
+        "<think>\nThe user wants the files listed, so I will run ls.\n</think>\n\n"
+        '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls", '
+        '"description": "List the files"}}\n</tool_call>'
     ),
     "answer": (
         "<think>\nThe tool has answered; I can reply now.\n</think>\n\nThe directory holds a.txt."
@@ -43,7 +52,7 @@ def script_name(prompt: list[int], text: str) -> str:
     if TOOL_RESPONSE in prompt:
         return "answer"
     if TOOL_CALL in prompt:
-        return "call"
+        return "bash" if BASH_ON_OFFER in text else "call"
     # The prompt ends with the turn to write: more than one means an earlier reply.
     return "again" if text.count(ASSISTANT_TURN) > 1 else "greet"
 

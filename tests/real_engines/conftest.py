@@ -162,9 +162,12 @@ def vllm_args(
     ]
 
 
+# ``vllm serve`` needs the distribution named vllm; the module takes the same flags.
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
 def vllm_command(python: Path, port: int, args: list[str]) -> list[str]:
-    # ``vllm serve`` needs the distribution named vllm; the module takes the same flags.
-    server = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    server = [str(python), "-m", VLLM_MODULE]
     return [*server, "--host", "127.0.0.1", "--port", str(port), *args]
 
 
@@ -189,8 +192,11 @@ def vllm(vllm_model: Path) -> Iterator[str]:
         yield url
 
 
-def sglang_command(python: Path, port: int, model: Path, *extra: str) -> list[str]:
-    """SGLang's server on the CPU, as ``sglang.launch_server`` takes it: the torch-native
+SGLANG_MODULE = "sglang.launch_server"
+
+
+def sglang_args(model: Path, context_length: int = 8192) -> list[str]:
+    """SGLang's flags on the CPU, as ``sglang.launch_server`` takes them: the torch-native
     attention, a KV cache sized for tests (unbounded it takes about 12 GB here), one batch at
     a time (``--disable-overlap-schedule``: the scripted processor counts each request's
     sampled ids, which overlap scheduling reports a step late) and the scripted turns. (Its
@@ -198,17 +204,19 @@ def sglang_command(python: Path, port: int, model: Path, *extra: str) -> list[st
     ``/health`` call, which SGLang answers with a one-token generation, could hang for over
     30 s.)"""
     return [
-        str(python),
-        "-m",
-        "sglang.launch_server",
-        *("--host", "127.0.0.1", "--port", str(port), "--device", "cpu"),
+        "--device",
+        "cpu",
         *("--model-path", str(model), "--served-model-name", MODEL_NAME),
         *("--attention-backend", "torch_native", "--max-total-tokens", "65536"),
-        *("--context-length", "8192", "--disable-overlap-schedule", "--skip-server-warmup"),
-        "--enable-custom-logit-processor",
+        *("--context-length", str(context_length), "--disable-overlap-schedule"),
+        *("--skip-server-warmup", "--enable-custom-logit-processor"),
         *("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"),
-        *extra,
     ]
+
+
+def sglang_command(python: Path, port: int, model: Path, *extra: str) -> list[str]:
+    server = [str(python), "-m", SGLANG_MODULE, "--host", "127.0.0.1", "--port", str(port)]
+    return [*server, *sglang_args(model), *extra]
 
 
 def sglang_env() -> dict[str, str]:

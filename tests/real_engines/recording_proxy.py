@@ -153,15 +153,17 @@ def recording_proxy(engine: str, family: str = "vllm") -> Iterator[RecordingProx
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.real_engines.recording_proxy --engine URL --port P --out FILE``:
+    """``python -m tests.real_engines.recording_proxy --engine URL --port P --out FILE
+    [--family sglang]``:
     the proxy as a process (the Claude Code test runs it inside its network namespace),
     appending each sampled sequence to ``FILE`` as a JSON line as it completes."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--engine", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--family", default="vllm", choices=["vllm", "sglang"])
     args = parser.parse_args(argv)
-    proxy = RecordingProxy(args.engine, Path(args.out))
+    proxy = RecordingProxy(args.engine, Path(args.out), family=args.family)
     uvicorn.run(proxy.app, host="127.0.0.1", port=args.port, log_level="warning")
     return 0
 

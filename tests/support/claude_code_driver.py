@@ -1,8 +1,8 @@
 """Runs one Claude Code rollout inside a loopback-only network namespace.
 
 Loopback in a new namespace is not the host's, so the engine and the front end are started
-here, inside it, next to the CLI (the engine: the tokcap engine, or vLLM itself behind a
-recording proxy); Redis is reached over its unix socket, which the
+here, inside it, next to the CLI (the engine: the tokcap engine, or a real vLLM or SGLang
+behind a recording proxy); Redis is reached over its unix socket, which the
 filesystem shares across namespaces. The test starts this module with
 ``unshare -n`` (see ``claude_code.netns_command``) and reads back one JSON summary:
 the CLI's stream-json events, the engine's ground truth and the servers' log tails.
@@ -19,15 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tokcap_devtools.processes import Service, free_port, wait_http
 
 from tests.real_engines.recording_proxy import READY_PATH
 from tests.support.claude_code import run_claude
+from tokcap_devtools.processes import Service, free_port, wait_http
 
 SERVER_START_TIMEOUT_S = 90.0
-VLLM_START_TIMEOUT_S = 300.0
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-SAMPLED = "vllm_sampled.jsonl"  # what vLLM sampled, as the recording proxy logs it
+REAL_ENGINE_START_TIMEOUT_S = 300.0
+SAMPLED = "engine_sampled.jsonl"  # what the real engine sampled, as the recording proxy logs it
 
 
 def _ground_truth(engine_url: str) -> Any:
@@ -40,22 +39,24 @@ def _ground_truth(engine_url: str) -> Any:
 
 
 def _start_engine(spec: dict[str, Any], workdir: Path, port: int, servers: list[Service]) -> str:
-    """The engine the front end calls: the tokcap engine, or (``spec["vllm"]``) vLLM itself
-    behind a recording proxy that logs what it sampled. Returns the front end's upstream."""
+    """The engine the front end calls: the tokcap engine, or (``spec["real_engine"]``: its
+    family, interpreter, module, flags and environment) vLLM or SGLang itself behind a
+    recording proxy that logs what it sampled. Returns the front end's upstream."""
     engine_url = f"http://127.0.0.1:{port}"
-    vllm = spec.get("vllm")
-    if vllm is None:
+    real = spec.get("real_engine")
+    if real is None:
         args = ["--host", "127.0.0.1", "--port", str(port), *spec["engine_args"]]
         engine = Service("engine", "engine.cli", args, workdir, spec.get("engine_env", {}))
         servers.append(engine)
         wait_http(engine_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=engine.proc)
         return engine_url
-    args = ["--host", "127.0.0.1", "--port", str(port), *vllm["args"]]
-    engine = Service("engine", VLLM_MODULE, args, workdir, vllm["env"], python=vllm["python"])
+    args = ["--host", "127.0.0.1", "--port", str(port), *real["args"]]
+    engine = Service("engine", real["module"], args, workdir, real["env"], python=real["python"])
     servers.append(engine)
-    wait_http(engine_url + "/health", timeout=VLLM_START_TIMEOUT_S, proc=engine.proc)
+    wait_http(engine_url + "/health", timeout=REAL_ENGINE_START_TIMEOUT_S, proc=engine.proc)
     recorder_port = free_port()
     recorder_args = ["--engine", engine_url, "--port", str(recorder_port)]
+    recorder_args += ["--family", real["family"]]
     recorder_args += ["--out", str(workdir / SAMPLED)]
     recorder = Service("recorder", "tests.real_engines.recording_proxy", recorder_args, workdir)
     servers.append(recorder)
@@ -65,14 +66,14 @@ def _start_engine(spec: dict[str, Any], workdir: Path, port: int, servers: list[
 
 
 def _clear_ground_truth(spec: dict[str, Any], workdir: Path, engine_url: str) -> None:
-    if spec.get("vllm") is not None:
+    if spec.get("real_engine") is not None:
         (workdir / SAMPLED).unlink(missing_ok=True)
     else:
         httpx.delete(engine_url + "/tokcap/ground_truth", timeout=30).raise_for_status()
 
 
 def _read_ground_truth(spec: dict[str, Any], workdir: Path, engine_url: str) -> Any:
-    if spec.get("vllm") is None:
+    if spec.get("real_engine") is None:
         return _ground_truth(engine_url)
     path = workdir / SAMPLED
     lines = path.read_text().splitlines() if path.exists() else []

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from tokcap_devtools.redis_cluster import LocalCluster
 from tokcap_devtools.redis_server import RedisServerUnavailable
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+
 from tokcap_devtools.redis_server import DURABLE, RedisServerUnavailable
 from tokcap_devtools.redis_server import RedisServer as _RedisServer
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+
 from tokcap_devtools.processes import free_port, stop_process, wait_http
 
 __all__ = ["free_port", "wait_http", "serve_app", "run_process"]

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from tokcap_devtools.processes import stop_process
 
 from tests.support.rebuild import finished_record, populate
 from tokcap.cli import DefaultsHelpFormatter, build_parser
+from tokcap_devtools.processes import stop_process
 
 SECRET = "redis-pw-5be0d4"
 UPSTREAM_SECRET = "upstream-pw-c3a9"

@@ -18,11 +18,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from tokcap_devtools.redis_cluster import LocalCluster
 
 from capture.config import TokenIdCaptureConfig
 from capture.errors import ConfigError
 from tests.support.rebuild import assert_rebuilt, finished_record, rollout_entries
+from tokcap_devtools.redis_cluster import LocalCluster
 from transports.rebuild.jobs import RebuildQueue
 from transports.rebuild.reader import ResultsReader
 from transports.rebuild.settings import WorkerSettings

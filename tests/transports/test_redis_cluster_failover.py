@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import redis
 from redis.crc import key_slot
-from tokcap_devtools.redis_cluster import LocalCluster
 
 from capture.errors import TokenCaptureError
 from capture.records import TokenEntry
 from tests.support.fixtures_stores import make_token_entry
 from tests.support.rebuild import assert_rebuilt, finished_record, rollout_entries
+from tokcap_devtools.redis_cluster import LocalCluster
 from transports.rebuild.jobs import RebuildQueue
 from transports.rebuild.reader import ResultsReader
 from transports.rebuild.settings import WorkerSettings

@@ -1,11 +1,11 @@
-"""The real Claude Code CLI through tokcap against vLLM itself (issue 23).
+"""The real Claude Code CLI through tokcap against vLLM and SGLang themselves (issue 23).
 
-The CLI runs in a loopback-only network namespace with vLLM, a recording proxy and the
+The CLI runs in a loopback-only network namespace with the engine, a recording proxy and the
 front end beside it (``tests.support.claude_code_driver``); the front end captures on a
-private Redis and a real ``tokcap worker`` rebuilds. The scripted-turns processor answers the
-CLI's first call with thinking and a hermes tool call to a tool the CLI does not have, which
-the CLI answers with an error result; the next call answers. Every delivered call must be
-exactly one of vLLM's replies, ids and log-probs, in one chain.
+private Redis and a real ``tokcap worker`` rebuilds. The scripted turns answer the CLI's
+first call with thinking and a hermes tool call to its Bash tool (``ls``), which the CLI
+runs; the next call answers. Every delivered call must be exactly one of the engine's
+replies, ids and log-probs, in one chain.
 """
 
 from __future__ import annotations
@@ -19,7 +19,17 @@ import pytest
 
 from tests.e2e.conftest import claude_cli, netns, redis_socket, worker, worker_delivery
 from tests.e2e.test_claude_code_e2e import FRONTEND_CONFIG, rebuild, run_driver, session_events
-from tests.real_engines.conftest import ensure_vllm, vllm_args, vllm_env
+from tests.real_engines.conftest import (
+    SGLANG_MODULE,
+    VLLM_MODULE,
+    build_model,
+    ensure_sglang,
+    ensure_vllm,
+    sglang_args,
+    sglang_env,
+    vllm_args,
+    vllm_env,
+)
 from tests.support.claude_code import transcript_to_record
 
 __all__ = ["claude_cli", "netns", "redis_socket", "worker", "worker_delivery"]
@@ -33,15 +43,27 @@ def token_items(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [i for i in output if isinstance(i, dict) and i.get("generation_token_ids")]
 
 
-def test_the_claude_code_cli_on_vllm_is_captured_as_vllm_sampled_it(
+def engine_process(family: str) -> dict[str, Any]:
+    """How the driver starts the engine: its interpreter, module, flags and environment."""
+    if family == "vllm":
+        python = ensure_vllm()
+        args = vllm_args(build_model(python), max_model_len=CONTEXT)
+        return {"python": str(python), "module": VLLM_MODULE, "args": args, "env": vllm_env()}
+    python = ensure_sglang()
+    args = sglang_args(build_model(python), context_length=CONTEXT)
+    return {"python": str(python), "module": SGLANG_MODULE, "args": args, "env": sglang_env()}
+
+
+@pytest.mark.parametrize("family", ["vllm", "sglang"])
+def test_the_claude_code_cli_is_captured_as_the_engine_sampled_it(
     claude_cli: Path,
     netns: None,
     redis_socket: str,
     worker: Any,
-    vllm_model: Path,
+    family: str,
     tmp_path: Path,
 ) -> None:
-    rollout_id = f"cc-vllm-{uuid.uuid4().hex[:8]}"
+    rollout_id = f"cc-{family}-{uuid.uuid4().hex[:8]}"
     spec = {
         "cli": str(claude_cli),
         "workdir": str(tmp_path),
@@ -49,11 +71,7 @@ def test_the_claude_code_cli_on_vllm_is_captured_as_vllm_sampled_it(
         "prompt": "List the files here.",
         "model": "claude-sonnet-4-5",
         "nonessential_traffic": False,
-        "vllm": {
-            "python": str(ensure_vllm()),
-            "args": vllm_args(vllm_model, max_model_len=CONTEXT),
-            "env": vllm_env(),
-        },
+        "real_engine": {"family": family, **engine_process(family)},
         "frontend_config": str(FRONTEND_CONFIG),
         "frontend_env": {"TOKCAP_REDIS_URL": redis_socket, "TOKCAP_MODEL": "tiny-qwen3"},
         "claude_timeout": 400.0,
@@ -69,7 +87,7 @@ def test_the_claude_code_cli_on_vllm_is_captured_as_vllm_sampled_it(
         for block in e["message"]["content"]
         if block.get("type") == "tool_use"
     ]
-    assert [use["name"] for use in uses] == ["list_files"], "vLLM's hermes parser made the call"
+    assert [use["name"] for use in uses] == ["Bash"], "the hermes parser made the call"
     sampled = summary["ground_truth"]
     record = transcript_to_record(events, rollout_id, reward=1.0)
     result = asyncio.run(rebuild(redis_socket, record))
@@ -86,4 +104,4 @@ def test_the_claude_code_cli_on_vllm_is_captured_as_vllm_sampled_it(
             and s["token_ids"] == item["generation_token_ids"]
             and s["logprobs"] == item["generation_log_probs"]
         ]
-        assert len(matches) == 1, "a delivered call is exactly one of vLLM's replies"
+        assert len(matches) == 1, "a delivered call is exactly one of the engine's replies"
