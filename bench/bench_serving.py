@@ -40,6 +40,7 @@ from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import TokenCaptureStore
 from tests.support.fault_loops import GroundTruth, write_script
 from tests.support.servers import free_port, run_process
+from tokcap_devtools.processes import process_tree
 from tokcap_devtools.redis_server import RedisServer
 from transports.redis import RedisTokenStore
 
@@ -100,18 +101,6 @@ def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tu
         url = f"http://127.0.0.1:{port}"
         proc = stack.enter_context(run_process(args, ready_url=url + "/health", timeout=120))
         yield url, source, proc.pid
-
-
-def process_tree(pid: int) -> list[int]:
-    """A process and its descendants (uvicorn's workers), from /proc."""
-    found, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                pending += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 def rss_mb(pid: int, field: str = "VmHWM") -> float:

@@ -6,6 +6,7 @@ PID it was started with: SIGTERM first, SIGKILL only if it does not go.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,6 +23,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants (uvicorn's workers, an engine's scheduler), from /proc."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                pending += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:

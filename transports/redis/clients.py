@@ -4,10 +4,11 @@ which errors pass.
 ``RedisOptions`` is everything about a connection: the URL, whether it names a node of a
 Redis Cluster, the socket and pool limits, the durability the store's connections prove and
 how often an operation is tried. It travels whole, from the store to its pool and from a
-worker's settings to its store and its client. ``open_client`` gives the plain client that
-the stream users (the queue, the worker's job reads, the results reader, ``tokcap inspect``)
-read and acknowledge with, under the same timeouts; the store builds its own proving pool
-from the same options (``transports.redis.reach``). ``TRANSIENT_ERRORS`` are what every
+worker's settings to its store, whose client the worker also reads its jobs with.
+``open_client`` gives the plain client that the other stream users (the queue, the results
+reader; ``tokcap report`` its blocking twin) read and acknowledge with, under the same
+timeouts; the store builds its own proving pool from the same options
+(``transports.redis.reach``). ``TRANSIENT_ERRORS`` are what every
 user rides out by waiting and trying again: a lost or refused connection, a timeout, a
 cluster replacing a master.
 """
@@ -47,25 +48,25 @@ class RedisOptions:
 def open_client(options: RedisOptions, block_ms: int = 0) -> aioredis.Redis | RedisCluster:
     """A client of the Redis (or Cluster) ``options`` names, with its timeouts; a read that
     blocks up to ``block_ms`` on the server is given that much more socket time."""
+    url, timeouts = _url_and_timeouts(options, block_ms)
+    if options.cluster:
+        return RedisCluster.from_url(url, **timeouts)
+    return aioredis.Redis.from_url(url, **timeouts)
+
+
+def open_sync_client(options: RedisOptions) -> redis.Redis | redis.RedisCluster:
+    """The blocking client of the same Redis, for commands that run outside an event loop."""
+    url, timeouts = _url_and_timeouts(options, 0)
+    if options.cluster:
+        return redis.RedisCluster.from_url(url, **timeouts)
+    return redis.Redis.from_url(url, **timeouts)
+
+
+def _url_and_timeouts(options: RedisOptions, block_ms: int) -> tuple[str, dict[str, float]]:
     if not options.url:
         raise ValueError("RedisOptions.url names no Redis")
     timeouts = {
         "socket_timeout": options.socket_timeout_s + block_ms / 1000,
         "socket_connect_timeout": options.connect_timeout_s,
     }
-    if options.cluster:
-        return RedisCluster.from_url(options.url, **timeouts)
-    return aioredis.Redis.from_url(options.url, **timeouts)
-
-
-def open_sync_client(options: RedisOptions) -> redis.Redis | redis.RedisCluster:
-    """The blocking client of the same Redis, for commands that run outside an event loop."""
-    if not options.url:
-        raise ValueError("RedisOptions.url names no Redis")
-    timeouts = {
-        "socket_timeout": options.socket_timeout_s,
-        "socket_connect_timeout": options.connect_timeout_s,
-    }
-    if options.cluster:
-        return redis.RedisCluster.from_url(options.url, **timeouts)
-    return redis.Redis.from_url(options.url, **timeouts)
+    return options.url, timeouts

@@ -119,7 +119,6 @@ class RedisTokenStore:
         cluster = cluster or isinstance(client, RedisCluster)
         check_server(url, client, cluster)
         check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
-        Durability.parse(durability)  # a config error now, not at the first put
         options = RedisOptions(
             url=url,
             cluster=cluster,
