@@ -51,7 +51,7 @@ from typing import Any
 
 from capture.build.builder import run_builder
 from capture.codec.entries import encode_entry
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
 from tests.support.rollouts import growing_rollout
 
@@ -78,8 +78,8 @@ class StoreKind:
     stored_bytes: Callable[[Any, Path, str], Awaitable[int]]  # (store, dir, rollout) -> bytes
 
 
-async def _open_file_store(scratch: Path) -> TokenCaptureStore:
-    return TokenCaptureStore(scratch / "captures")
+async def _open_file_store(scratch: Path) -> FileTokenStore:
+    return FileTokenStore(scratch / "captures")
 
 
 async def _file_store_bytes(store: Any, scratch: Path, rollout_id: str) -> int:
@@ -327,7 +327,7 @@ async def child_put(directory: Path, turns: int) -> dict[str, Any]:
         from capture.codec.packed import PackedIds
     except ImportError:  # a tree before packed prompts
         PackedIds = None  # noqa: N806
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     floor = FsyncBaseline(directory)
     cpu_ms: dict[str, list[float]] = {"put": [], "floor": [], "put_packed": []}
 
@@ -365,7 +365,7 @@ async def child_rebuild(directory: Path, turns: int, repeat: int) -> dict[str, A
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     times, freeze_ms = [], []
     for _ in range(repeat):
-        store = TokenCaptureStore(directory)
+        store = FileTokenStore(directory)
         try:
             start = time.perf_counter()
             snapshot = await store.freeze("r")

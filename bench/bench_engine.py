@@ -15,10 +15,10 @@ import time
 
 import httpx
 
-from engine import EngineSettings, create_app
-from engine.tokenizer import load_tokenizer
-from engine.train_tokenizer import CORPUS_PATH
 from tests.support.servers import serve_app
+from tokcap_devtools.engine import EngineSettings, create_app
+from tokcap_devtools.engine.tokenizer import load_tokenizer
+from tokcap_devtools.engine.train_tokenizer import CORPUS_PATH
 
 
 def prompt_of(tokens: int) -> str:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.dialect_loops import Figures, Harness, judge, loops_for, run_loops, write_script
 from tests.support.fault_loops import GroundTruth
 from tests.support.frontend import engine_server, file_store_settings, front_end
@@ -42,7 +42,7 @@ MODES = {"text": {}, "faithful": {"prompts": "faithful", "renderer": {"tokenizer
 
 
 async def _figures(store_dir: Path, loops: list, truth: Path) -> Figures:
-    store = TokenCaptureStore(store_dir)
+    store = FileTokenStore(store_dir)
     try:
         return await judge(store, loops, GroundTruth(truth))
     finally:

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_cmd = [
             sys.executable,
             "-m",
-            "engine.cli",
+            "tokcap_devtools.engine.cli",
             "--port",
             str(engine_port),
             "--tokenizer",

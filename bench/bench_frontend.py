@@ -77,7 +77,14 @@ def servers(
     engine_port, front_port = free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     front = f"http://127.0.0.1:{front_port}"
-    engine_cmd = [sys.executable, "-m", "engine.cli", "--port", str(engine_port), *server_args]
+    engine_cmd = [
+        sys.executable,
+        "-m",
+        "tokcap_devtools.engine.cli",
+        "--port",
+        str(engine_port),
+        *server_args,
+    ]
     front_cmd = [
         sys.executable,
         "-m",

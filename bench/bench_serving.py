@@ -37,7 +37,7 @@ import aiohttp
 import httpx
 
 from capture.delivery import finalize_rollout_token_capture
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.fault_loops import GroundTruth, write_script
 from tests.support.servers import free_port, run_process
 from tokcap_devtools.processes import process_tree
@@ -62,7 +62,15 @@ REDIS_CONFIG = (
 @contextlib.contextmanager
 def engine(tmp: Path, first_s: float, token_s: float = 0.0) -> Iterator[tuple[str, Path]]:
     port, truth = free_port(), tmp / f"truth-{time.monotonic_ns()}.jsonl"
-    args = [sys.executable, "-m", "engine.cli", "--port", str(port), "--log-level", "warning"]
+    args = [
+        sys.executable,
+        "-m",
+        "tokcap_devtools.engine.cli",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     args += ["--script", write_script(tmp / "script.yaml"), "--ground-truth", str(truth)]
     args += ["--first-token-s", str(first_s), "--token-s", str(token_s)]
     url = f"http://127.0.0.1:{port}"
@@ -84,7 +92,7 @@ def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tu
         else:
             captures = tmp / f"captures-{time.monotonic_ns()}"
             config = FILE_CONFIG.format(dir=captures)
-            source = lambda: TokenCaptureStore(captures)  # noqa: E731
+            source = lambda: FileTokenStore(captures)  # noqa: E731
         path = tmp / "serve.yaml"
         path.write_text(config)
         port = free_port()

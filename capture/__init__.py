@@ -34,7 +34,7 @@ _EXPORTS = {
     "SCHEMA_VERSION": "capture.records",
     "TokenSink": "capture.protocols",
     "TokenSource": "capture.protocols",
-    "TokenCaptureStore": "capture.filestore.store",
+    "FileTokenStore": "capture.filestore.store",
     "TokenIdCaptureConfig": "capture.config",
     "rollout_id_from_run_body": "capture.rollout_ids",
     "validate_rollout_id": "capture.rollout_ids",

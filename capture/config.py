@@ -171,10 +171,10 @@ class TokenIdCaptureConfig(BaseModel):
             return sink
         if self.dir:
             from capture.filestore.store import (
-                TokenCaptureStore,  # the file store loads only when used
+                FileTokenStore,  # the file store loads only when used
             )
 
-            return TokenCaptureStore(self.dir)
+            return FileTokenStore(self.dir)
         return None
 
 

@@ -1,5 +1,5 @@
 """The ``tokcap`` command: one subcommand per verb, each a module of ``tokcap.commands``
-(``tokcap engine``: the development engine's own ``engine.cli``).
+(``tokcap engine``: the development engine's own ``tokcap_devtools.engine.cli``).
 
 Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them, so adding a command never touches the others. Every option's help ends with
@@ -16,7 +16,10 @@ from tokcap.help import DefaultsHelpFormatter
 
 SUBCOMMANDS = {
     "serve": ("tokcap.commands.serve", "run the model-server front end that captures token ids"),
-    "engine": ("engine.cli", "run the tokcap engine, a vLLM-compatible test engine"),
+    "engine": (
+        "tokcap_devtools.engine.cli",
+        "run the tokcap engine, a vLLM-compatible test engine",
+    ),
     "worker": ("tokcap.commands.worker", "run a pool of rebuild workers on the Redis job stream"),
     "submit": ("tokcap.commands.submit", "submit a finished rollout record for rebuilding"),
     "inspect": ("tokcap.commands.inspect", "show what is captured for one rollout"),

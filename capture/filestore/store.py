@@ -65,7 +65,7 @@ class _Cached:
     state: RolloutState
 
 
-class TokenCaptureStore:
+class FileTokenStore:
     """Node-local, crash-safe, multi-process token store (sink and source)."""
 
     reads_packed_ids = True  # an entry's prompt may be PackedIds (capture.protocols)
@@ -95,7 +95,7 @@ class TokenCaptureStore:
                 fsync_dir(self.dir.parent)
 
     def __repr__(self) -> str:
-        return f"TokenCaptureStore({str(self.dir)!r})"
+        return f"FileTokenStore({str(self.dir)!r})"
 
     # -- sink ---------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ def _start_serving(
     engine_port, front_port = free_port(), free_port()
     engine = Service(
         f"engine-{name}",
-        "engine.cli",
+        "tokcap_devtools.engine.cli",
         [
             "--host",
             "127.0.0.1",
@@ -290,12 +290,12 @@ async def _rebuild(
     task = progress.add_task("rebuilding", total=len(records))
     if backend.kind == "file":
         from capture import (
-            TokenCaptureStore,
+            FileTokenStore,
             finalize_rollout_token_capture,
             retire_rollout_token_capture,
         )
 
-        store = TokenCaptureStore(backend.store_dir)
+        store = FileTokenStore(backend.store_dir)
         try:
             for record in records:
                 built = await finalize_rollout_token_capture(record, store)

@@ -26,7 +26,7 @@ from api.prompts.renderer import build_renderer
 from api.prompts.vocab import load_vocab, qwen3_tokenizer
 from capture.context import capture_call, current_call
 from capture.errors import ConfigError
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.lineage import FALLBACK_FIELD, LINEAGE_FIELD
 
 TOOLS = [
@@ -128,7 +128,7 @@ async def test_each_faithful_prompt_extends_the_previous_prompt_and_generation(
 ):
     rng = random.Random(seed)
     prompts = FaithfulPrompts(build_renderer("qwen3", "qwen3"))
-    store = TokenCaptureStore(tmp_path_factory.mktemp("store"))
+    store = FileTokenStore(tmp_path_factory.mktemp("store"))
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "go"}]
     previous: list[int] | None = None
     async with capture_call("prop", store):
@@ -172,7 +172,7 @@ async def test_the_reply_is_parsed_from_the_sampled_ids():
 
 async def test_another_worker_continues_the_call_through_the_store(tmp_path):
     """Two front-end workers share nothing but the sink: the second finds the call there."""
-    store = TokenCaptureStore(tmp_path)
+    store = FileTokenStore(tmp_path)
     first, second = (FaithfulPrompts(build_renderer("qwen3", "qwen3")) for _ in range(2))
     messages = [{"role": "user", "content": "go"}]
     turn = {"think": "", "text": "", "calls": [("Bash", {"command": "pwd"})]}
@@ -195,7 +195,7 @@ async def test_another_worker_continues_the_call_through_the_store(tmp_path):
 
 
 async def test_fallbacks_are_named(tmp_path):
-    store = TokenCaptureStore(tmp_path)
+    store = FileTokenStore(tmp_path)
     prompts = FaithfulPrompts(build_renderer("qwen3", "qwen3", "tool_cycle"))
     messages = [{"role": "user", "content": "go"}]
     turn = {"think": "hm", "text": "Hi.", "calls": []}
@@ -252,7 +252,7 @@ def test_canonical_keys_ignore_form_and_keep_content():
 
 def test_a_renderer_that_cannot_use_the_tokenizer_is_a_config_error():
     with pytest.raises(ConfigError, match="tool_response"):
-        build_renderer("qwen3", "devtools/engine/assets/tokenizer.json")
+        build_renderer("qwen3", "devtools/tokcap_devtools/engine/assets/tokenizer.json")
     with pytest.raises(ConfigError, match="unknown"):
         build_renderer("no-such-renderer", "qwen3")
     with pytest.raises(ConfigError, match="tokenizer"):
@@ -265,7 +265,7 @@ def test_entries_carry_the_fallback_reason():
 
 @pytest.mark.parametrize("spec", ["qwen3", "file", "directory"])
 def test_vocabularies_round_trip_text_and_bytes(spec: str, tmp_path) -> None:
-    shipped = Path("devtools/engine/assets/tokenizer.json").resolve()
+    shipped = Path("devtools/tokcap_devtools/engine/assets/tokenizer.json").resolve()
     if spec == "directory":
         (tmp_path / "tokenizer.json").write_bytes(shipped.read_bytes())
     vocab = load_vocab({"qwen3": "qwen3", "file": str(shipped), "directory": str(tmp_path)}[spec])

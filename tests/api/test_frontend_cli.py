@@ -18,7 +18,7 @@ import pytest
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from capture.errors import ConfigError
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.registry import install_token_sink
 from tests.support.frontend import (
     assert_entries_equal_ground_truth,
@@ -162,7 +162,7 @@ def test_tokcap_serve_refuses_sink_kwargs_the_sink_rejects(tmp_path: Path) -> No
 
 def test_an_embedding_process_can_install_the_sink(tmp_path: Path) -> None:
     """No store in the config: the front end captures into the process's installed sink."""
-    sink = TokenCaptureStore(tmp_path / "installed")
+    sink = FileTokenStore(tmp_path / "installed")
     previous = install_token_sink(sink)
     try:
         with engine_server() as engine_url:

@@ -16,10 +16,10 @@ import pytest
 from api.app import create_app
 from api.settings import ServerSettings
 from capture.errors import ConfigError
-from engine.cli import add_arguments, settings_from_args
-from engine.server import create_app as create_engine_app
-from engine.settings import EngineSettings
 from tests.support.servers import serve_app
+from tokcap_devtools.engine.cli import add_arguments, settings_from_args
+from tokcap_devtools.engine.server import create_app as create_engine_app
+from tokcap_devtools.engine.settings import EngineSettings
 
 PAGES = ("/docs", "/redoc", "/openapi.json")
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

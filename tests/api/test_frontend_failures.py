@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
 from tests.support.frontend import (
     BASH_TOOL,
@@ -42,7 +42,7 @@ from tests.support.servers import free_port, serve_app
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-class PutFailsStore(TokenCaptureStore):
+class PutFailsStore(FileTokenStore):
     """The file store with a disk that refuses entries (loaded by the config's sink path)."""
 
     async def put(self, entry: Any) -> None:

@@ -1,6 +1,6 @@
 """Serving like a model server (issue 22): keep-alive while the engine works, and hang-ups.
 
-The engine is paced like a loaded one (``engine.pacing``); the front end keeps streams
+The engine is paced like a loaded one (``tokcap_devtools.engine.pacing``); the front end keeps streams
 alive with the dialect's keep-alive, a harness that hangs up before the engine answered
 cancels the engine request (the engine records the abort) and its call is abandoned, and
 one that hangs up after the engine answered, before the final event, is noted unreceived.
@@ -21,7 +21,7 @@ import pytest
 
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.api.test_frontend_limits import host_port
 from tests.support.frontend import OVERRIDES, engine_server, front_end, inspect
 
@@ -29,7 +29,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 MESSAGES = b'"messages": [{"role": "user", "content": "hello"}]'
 
 
-class SlowStore(TokenCaptureStore):
+class SlowStore(FileTokenStore):
     """The file store, with a put that takes ``PUT_S`` (loaded by the capture config)."""
 
     PUT_S = 1.0
@@ -171,7 +171,7 @@ def test_a_long_generation_reaches_a_client_with_a_short_read_timeout(
 
 
 async def peek_entries(store_dir: Path, rollout: str) -> list[Any]:
-    store = TokenCaptureStore(store_dir)
+    store = FileTokenStore(store_dir)
     try:
         return await store.peek(rollout)
     finally:

@@ -21,7 +21,7 @@ import pytest
 
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.frontend import (
     BASH_TOOL,
     both_servers,
@@ -156,7 +156,7 @@ def test_a_body_that_stalls_is_cut_with_a_408(servers) -> None:
     assert inspect(servers.store_dir, "stall-1")["state"] == "absent"
 
 
-class StoreDown(TokenCaptureStore):
+class StoreDown(FileTokenStore):
     """The file store behind a link that is down for everything (loaded by the config)."""
 
     async def _down(self, *args: Any, **kwargs: Any) -> None:

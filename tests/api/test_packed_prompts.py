@@ -18,7 +18,7 @@ from api.engines import sglang, vllm
 from api.generation import checked_ids, sent_prompt_check
 from capture.codec.packed import PackedIds, pack_ids
 from capture.context import CallCapture
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.api.test_engine_adapters import PROMPT, fixture
 
 
@@ -85,7 +85,7 @@ async def test_the_entry_carries_packed_ids_only_to_a_sink_that_reads_them(tmp_p
     reply = fixture("vllm-0.10.2-chat.json")
     generation = vllm.read_chat(copy.deepcopy(reply))
     items = output_items(generation)
-    store = TokenCaptureStore(tmp_path)
+    store = FileTokenStore(tmp_path)
     try:
         to_store = call_entry(generation, items, CallCapture("r-1", store, "call-1"))
         to_other = call_entry(generation, items, CallCapture("r-1", ListSink(), "call-1"))

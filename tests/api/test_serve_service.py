@@ -21,7 +21,7 @@ import httpx
 
 from api.metrics import MULTIPROC_ENV
 from capture.errors import ConfigError
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.frontend import engine_server
 from tokcap_devtools.processes import free_port, stop_process, wait_http
 
@@ -42,7 +42,7 @@ token_id_capture:
 """
 
 
-class FailsInWorkers(TokenCaptureStore):
+class FailsInWorkers(FileTokenStore):
     """A file store that refuses to start in a worker only (where serve set the metrics
     directory), as a sink whose trouble the parent's check cannot see would."""
 

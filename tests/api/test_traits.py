@@ -8,7 +8,7 @@ from pathlib import Path
 from api.dialects import anthropic
 from api.traits import request_traits
 from capture.build.final_answer import reply_digest
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support import dialect_loops
 from tests.support.frontend import both_servers, run
 
@@ -140,7 +140,7 @@ def test_each_call_names_the_reply_before_it_in_every_dialect(tmp_path: Path) ->
 
 
 async def _peek(store_dir: Path, rollout_id: str) -> list:
-    store = TokenCaptureStore(store_dir)
+    store = FileTokenStore(store_dir)
     try:
         return await store.peek(rollout_id)
     finally:

@@ -28,7 +28,6 @@ from api.engines.vllm import read_chat as read_generation
 from api.settings import ServerSettings
 from api.upstream import UpstreamClient
 from capture.errors import ConfigError
-from engine.tokenizer import load_tokenizer
 from tests.support.corrupting_proxy import MODES, CorruptingProxy, corrupting_proxy
 from tests.support.frontend import (
     BASH_TOOL,
@@ -41,6 +40,7 @@ from tests.support.frontend import (
     front_end,
 )
 from tests.support.servers import free_port, serve_app
+from tokcap_devtools.engine.tokenizer import load_tokenizer
 
 VOCAB = 100
 HELLO = [{"role": "user", "content": "hello"}]

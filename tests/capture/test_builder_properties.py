@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from capture.build.builder import run_builder
 from capture.delivery import finalize_rollout_token_capture
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
 from tests.support.chains import entry, full, message
 from tests.support.contiguity import is_contiguous
@@ -106,7 +106,7 @@ _rollout_numbers = itertools.count()
 async def _record_and_finalize(
     store_dir: Path, entries: list[TokenEntry], lost: str | None
 ) -> tuple[bool, dict[str, Any]]:
-    store = TokenCaptureStore(store_dir)
+    store = FileTokenStore(store_dir)
     try:
         rollout_id = entries[0].rollout_id
         for call in entries:

@@ -368,13 +368,13 @@ def test_object_without_sink_methods(name, missing):
 
 
 def test_dir_builds_the_file_store(tmp_path):
-    from capture.filestore.store import TokenCaptureStore
+    from capture.filestore.store import FileTokenStore
 
     config = load_capture_config(
         {"token_id_capture": {"enabled": True, "dir": str(tmp_path / "captures")}}
     )
     store = config.build_sink()
-    assert isinstance(store, TokenCaptureStore)
+    assert isinstance(store, FileTokenStore)
 
 
 # --- agent opt-in -------------------------------------------------------------------------

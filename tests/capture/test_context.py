@@ -21,7 +21,7 @@ from capture.context import (
     void_call,
 )
 from capture.errors import RolloutFrozenError
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
 
 
@@ -44,7 +44,7 @@ def served(prompt, generation, text="ok"):
 
 @pytest.fixture
 async def store(tmp_path):
-    store = TokenCaptureStore(tmp_path / "captures")
+    store = FileTokenStore(tmp_path / "captures")
     yield store
     await store.close()
 
@@ -52,7 +52,7 @@ async def store(tmp_path):
 class FailingPutSink:
     """A sink whose put always fails (say, a full disk); lost calls reach the real store."""
 
-    def __init__(self, store: TokenCaptureStore) -> None:
+    def __init__(self, store: FileTokenStore) -> None:
         self.store = store
         self.puts = 0
 
@@ -89,7 +89,7 @@ class BrokenSink:
 class NoIntentSink:
     """A sink without the optional intent extension, forwarding to the real store."""
 
-    def __init__(self, store: TokenCaptureStore) -> None:
+    def __init__(self, store: FileTokenStore) -> None:
         self.store = store
 
     async def put(self, entry):
@@ -190,7 +190,7 @@ async def test_a_sink_that_cannot_record_even_the_loss_leaves_the_call_unrecorde
 class FlakySink:
     """The real store behind a connection that drops the first ``failures`` writes."""
 
-    def __init__(self, store: TokenCaptureStore, failures: int, stall_s: float = 0.0) -> None:
+    def __init__(self, store: FileTokenStore, failures: int, stall_s: float = 0.0) -> None:
         self.store = store
         self.failures = failures
         self.stall_s = stall_s

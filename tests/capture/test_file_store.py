@@ -17,19 +17,19 @@ from hypothesis import strategies as st
 
 from capture.errors import InvalidRolloutIdError, RolloutFrozenError, TokenCaptureError
 from capture.filestore.log import frame, parse
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.fixtures_stores import make_token_entry, shared_entry
 from tests.support.rollouts import growing_rollout
 
 REPO = Path(__file__).resolve().parents[2]
 WRITER = """
 import asyncio, sys
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.rollouts import growing_rollout
 from tests.support.fixtures_stores import shared_entry
 
 async def main(directory, writer, count):
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     own = growing_rollout(f"own-{writer}", count, system_tokens=300, seed=writer)
     for index in range(count):
         await store.put(shared_entry(writer, index))
@@ -43,11 +43,11 @@ CRASH_TURNS = 120
 CRASHING_WRITER = f"""
 import asyncio, os, sys
 CRASH_TURNS = {CRASH_TURNS}
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.rollouts import growing_rollout
 
 async def main(directory, acks_path):
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     acks = os.open(acks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for entry in growing_rollout("crash", CRASH_TURNS, system_tokens=1000):
         await store.put(entry)
@@ -89,7 +89,7 @@ async def test_several_writer_processes(tmp_path):
     finally:
         for proc in procs:
             stop(proc)
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     shared = await store.freeze("shared")
     assert not shared.incomplete
     want = {(w, i): shared_entry(w, i) for w in range(writers) for i in range(count)}
@@ -135,7 +135,7 @@ async def test_acknowledged_entries_survive_a_killed_writer(tmp_path):
         log.write(torn[: len(torn) // 2])
     torn_size = log_path.stat().st_size
 
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     late = make_token_entry("crash", "after-crash")
     await store.put(late)  # recovery truncates the torn tail before appending
     snapshot = await store.freeze("crash")
@@ -170,7 +170,7 @@ def _bad_checksum(record: bytes) -> bytes:
 )
 async def test_torn_tail_is_recovered_on_open(tmp_path, tail):
     directory = tmp_path / "captures"
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     first = make_token_entry("torn", "c-1", prompt=list(range(700)))
     await store.put(first)
     await store.close()
@@ -179,7 +179,7 @@ async def test_torn_tail_is_recovered_on_open(tmp_path, tail):
     with open(log_path, "ab") as log:
         log.write(tail(frame({"k": "intent", "call": "never-acknowledged"})))
 
-    reopened = TokenCaptureStore(directory)
+    reopened = FileTokenStore(directory)
     info = await reopened.inspect("torn")
     assert info["calls"] == 1 and info["pending_intents"] == 0
     assert log_path.stat().st_size == good_size
@@ -195,7 +195,7 @@ async def test_torn_tail_is_recovered_on_open(tmp_path, tail):
 )
 async def test_invalid_ids_never_touch_paths_outside_the_directory(tmp_path, bad_id):
     directory = tmp_path / "captures"
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     operations = [
         lambda: store.put(make_token_entry(bad_id, "c-1")),
@@ -216,7 +216,7 @@ async def test_invalid_ids_never_touch_paths_outside_the_directory(tmp_path, bad
 
 async def test_bytes_on_disk_grow_with_the_final_context(tmp_path):
     directory = tmp_path / "captures"
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     entries = growing_rollout("grow", 50)  # 2,000 system tokens; 200 generated + 300 tool/turn
     for entry in entries:
         await store.put(entry)
@@ -233,7 +233,7 @@ async def test_bytes_on_disk_grow_with_the_final_context(tmp_path):
 async def test_two_store_instances_stay_coherent(tmp_path):
     """Each instance caches what it read; another writer's changes must still be seen."""
     directory = tmp_path / "captures"
-    a, b = TokenCaptureStore(directory), TokenCaptureStore(directory)
+    a, b = FileTokenStore(directory), FileTokenStore(directory)
     await a.put(make_token_entry("both", "c-1", prompt=list(range(300))))
     await b.put(make_token_entry("both", "c-2", prompt=list(range(400))))
     await a.put(make_token_entry("both", "c-3", prompt=list(range(500))))
@@ -254,12 +254,12 @@ async def test_two_store_instances_stay_coherent(tmp_path):
 
 async def test_state_survives_reopening(tmp_path):
     directory = tmp_path / "captures"
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     await store.put(make_token_entry("kept", "c-1"))
     await store.begin_call("kept", "c-2")
     snapshot = await store.freeze("kept")
     await store.close()
-    reopened = TokenCaptureStore(directory)
+    reopened = FileTokenStore(directory)
     again = await reopened.freeze("kept")
     assert (again.snapshot_id, again.version, again.incomplete) == (
         snapshot.snapshot_id,
@@ -268,7 +268,7 @@ async def test_state_survives_reopening(tmp_path):
     )
     assert await reopened.drop("kept", snapshot_id=again.snapshot_id, version=again.version)
     await reopened.close()
-    third = TokenCaptureStore(directory)
+    third = FileTokenStore(directory)
     with pytest.raises(RolloutFrozenError):
         await third.put(make_token_entry("kept", "c-3"))
     assert (await third.inspect("kept"))["tombstone"] is True
@@ -276,7 +276,7 @@ async def test_state_survives_reopening(tmp_path):
 
 async def test_relative_directory_is_resolved_and_created(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    store = TokenCaptureStore("nested/captures")
+    store = FileTokenStore("nested/captures")
     assert store.dir == tmp_path / "nested" / "captures"
     assert store.dir.is_dir()
     await store.put(make_token_entry("rel", "c-1"))
@@ -285,7 +285,7 @@ async def test_relative_directory_is_resolved_and_created(tmp_path, monkeypatch)
 
 async def test_foreign_files_in_the_directory_are_ignored(tmp_path):
     directory = tmp_path / "captures"
-    store = TokenCaptureStore(directory)
+    store = FileTokenStore(directory)
     (directory / "notes.txt").write_text("not a log")
     (directory / ".hidden.log").write_text("not a rollout")
     await store.put(make_token_entry("real", "c-1"))
@@ -294,7 +294,7 @@ async def test_foreign_files_in_the_directory_are_ignored(tmp_path):
 
 
 async def test_closed_store_refuses_work(tmp_path):
-    store = TokenCaptureStore(tmp_path / "captures")
+    store = FileTokenStore(tmp_path / "captures")
     await store.close()
     with pytest.raises(TokenCaptureError):
         await store.put(make_token_entry("closed", "c-1"))
@@ -317,16 +317,16 @@ def test_stored_blocks_round_trip_any_prompt_family(prompts, reopen_at):
     """
 
     async def scenario(directory: str) -> None:
-        store = TokenCaptureStore(directory, block_size=4, fsync=False)
+        store = FileTokenStore(directory, block_size=4, fsync=False)
         entries = []
         for index, prompt in enumerate(prompts):
             if index == reopen_at:
                 await store.close()
-                store = TokenCaptureStore(directory, block_size=4, fsync=False)
+                store = FileTokenStore(directory, block_size=4, fsync=False)
             entry = make_token_entry("family", f"c-{index:02d}", prompt=prompt)
             entries.append(entry)
             await store.put(entry)
-        snapshot = await TokenCaptureStore(directory, block_size=4).freeze("family")
+        snapshot = await FileTokenStore(directory, block_size=4).freeze("family")
         assert [e.model_dump() for e in snapshot.entries] == [e.model_dump() for e in entries]
 
     with tempfile.TemporaryDirectory() as directory:
@@ -335,7 +335,7 @@ def test_stored_blocks_round_trip_any_prompt_family(prompts, reopen_at):
 
 async def test_drops_sweep_old_tombstones_once_an_interval(tmp_path):
     """Tombstones expire without an operator: a drop sweeps those past the TTL."""
-    store = TokenCaptureStore(tmp_path / "captures", tombstone_ttl_s=0.05)
+    store = FileTokenStore(tmp_path / "captures", tombstone_ttl_s=0.05)
 
     async def retire(rollout_id: str) -> None:
         await store.put(make_token_entry(rollout_id, "c-1"))

@@ -14,8 +14,8 @@ import os
 import pytest
 
 from capture import (
+    FileTokenStore,
     MaskFractionGuard,
-    TokenCaptureStore,
     capture_base_url,
     finalize_rollout_token_capture,
     retire_rollout_token_capture,
@@ -164,7 +164,7 @@ async def test_three_turn_rollout_from_config_to_tombstone(tmp_path, monkeypatch
     assert agent_opted_in(config_path, "claude_code_agent")
     assert not agent_opted_in(config_path, "other_agent")
     sink = config.build_sink()
-    assert isinstance(sink, TokenCaptureStore)
+    assert isinstance(sink, FileTokenStore)
     assert sink.dir == (tmp_path / "captures").resolve()
 
     body = {"_ng_task_index": 5, "_ng_rollout_index": 2}

@@ -20,6 +20,7 @@ FORBIDDEN = (
     "api",
     "transports",
     "engine",
+    "tokcap_devtools",
     "tokcap",
 )
 
@@ -82,7 +83,7 @@ def test_every_public_name_is_declared():
         "TokenCaptureSnapshot",
         "TokenSink",
         "TokenSource",
-        "TokenCaptureStore",
+        "FileTokenStore",
         "TokenIdCaptureConfig",
         "rollout_id_from_run_body",
         "capture_base_url",

@@ -80,7 +80,7 @@ def test_public_names():
 
 
 def test_file_store_installs_as_sink_and_source(tmp_path):
-    store = capture.TokenCaptureStore(str(tmp_path / "caps"))
+    store = capture.FileTokenStore(str(tmp_path / "caps"))
     install_token_sink(store)
     install_token_source(store)
     assert installed_token_sink() is store is installed_token_source()

@@ -24,7 +24,6 @@ import pytest
 from capture import training_samples
 from capture.build.projection import carriers
 from capture.samples import sample_of
-from engine.tokenizer import load_tokenizer
 from tests.e2e.test_claude_code_e2e import (
     FINAL_TEXT,
     SCRIPT,
@@ -33,6 +32,7 @@ from tests.e2e.test_claude_code_e2e import (
     sampled,
     token_items,
 )
+from tokcap_devtools.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -292,7 +292,7 @@ def test_engine_healthcheck_passes_against_a_real_engine(compose: dict) -> None:
     engine = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "tokcap_devtools.engine.cli",
         "--host",
         "127.0.0.1",
         "--port",

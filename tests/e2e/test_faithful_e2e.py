@@ -22,7 +22,7 @@ from api.probe import EngineRefused, probe
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from capture.delivery import finalize_rollout_token_capture
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.dialect_loops import Figures, Harness, judge, loops_for, run_loops, write_script
 from tests.support.fault_loops import GroundTruth
 from tests.support.frontend import engine_server, file_store_settings, front_end
@@ -65,7 +65,7 @@ def test_faithful_loops_are_one_chain_with_every_sampled_token(tmp_path: Path) -
             loops = _run(harness, loops_for("faithful", 6))
             metrics = httpx.get(front + "/metrics").text
     figures = asyncio.run(
-        _judged(TokenCaptureStore(tmp_path / "store"), loops, Path(engine["ground_truth_path"]))
+        _judged(FileTokenStore(tmp_path / "store"), loops, Path(engine["ground_truth_path"]))
     )
     print(figures.row("faithful, qwen3, all knobs"))
     assert figures.errors == [] and figures.wrong == []
@@ -83,7 +83,7 @@ def test_text_mode_reports_the_split_and_never_delivers_wrong(tmp_path: Path) ->
         with front_end(file_store_settings(engine_url, tmp_path / "store")) as front:
             loops = _run(Harness([front]), loops_for("text", 6))
     figures = asyncio.run(
-        _judged(TokenCaptureStore(tmp_path / "store"), loops, Path(engine["ground_truth_path"]))
+        _judged(FileTokenStore(tmp_path / "store"), loops, Path(engine["ground_truth_path"]))
     )
     print(figures.row("text, qwen3, all knobs"))
     assert figures.errors == [] and figures.wrong == []
@@ -133,7 +133,7 @@ def test_tokcap_serve_with_two_workers_keeps_rollouts_one_chain(tmp_path: Path) 
             harness = Harness([front])
             loops = _run(harness, loops_for("workers", 12))
     figures = asyncio.run(
-        _judged(TokenCaptureStore(tmp_path / "store"), loops, Path(engine["ground_truth_path"]))
+        _judged(FileTokenStore(tmp_path / "store"), loops, Path(engine["ground_truth_path"]))
     )
     assert figures.errors == [] and figures.wrong == []
     assert figures.one_chain == figures.rollouts == 12
@@ -165,7 +165,7 @@ def test_a_history_the_front_end_never_served_is_a_counted_fallback(tmp_path: Pa
             metrics = httpx.get(front + "/metrics").text
     assert 'tokcap_faithful_fallbacks_total{reason="no_match"} 1.0' in metrics
     record = {"_ng_rollout_id": rollout, "response": {"output": []}}
-    store = TokenCaptureStore(tmp_path / "store")
+    store = FileTokenStore(tmp_path / "store")
     build = asyncio.run(finalize_rollout_token_capture(record, store))
     assert build.metrics["faithful_fallbacks"] == {"no_match": 1}
 

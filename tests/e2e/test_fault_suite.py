@@ -24,8 +24,7 @@ import pytest
 from api.settings import ServerSettings
 from capture import context
 from capture.config import TokenIdCaptureConfig
-from capture.filestore.store import TokenCaptureStore
-from engine.tokenizer import load_tokenizer
+from capture.filestore.store import FileTokenStore
 from tests.support.corrupting_proxy import MODES, corrupting_proxy
 from tests.support.fault_loops import (
     Engine,
@@ -39,6 +38,7 @@ from tests.support.fault_loops import (
     write_script,
 )
 from tests.support.frontend import engine_server, front_end
+from tokcap_devtools.engine.tokenizer import load_tokenizer
 from transports.redis import RedisTokenStore
 
 pytestmark = pytest.mark.slow
@@ -287,7 +287,7 @@ async def test_file_store_unwritable_mid_run(engine: Engine, tmp_path: Path):
                 run_loops(front, rollouts, http), after(0.8, block), after(3.8, restore)
             )
         await background_notes_done()
-    store = TokenCaptureStore(store_dir)
+    store = FileTokenStore(store_dir)
     try:
         records = await rebuild(store, done)
     finally:

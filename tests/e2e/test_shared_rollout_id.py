@@ -22,7 +22,7 @@ import pytest
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from capture.delivery import finalize_rollout_token_capture
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from tests.support.fault_loops import (
     Engine,
     Rollout,
@@ -54,7 +54,7 @@ def capture_config(kind: str, tmp_path: Path, redis_url: str, prefix: str) -> An
 
 def open_source(kind: str, tmp_path: Path, redis_url: str, prefix: str) -> Any:
     if kind == "file":
-        return TokenCaptureStore(tmp_path / "captures")
+        return FileTokenStore(tmp_path / "captures")
     return RedisTokenStore(url=redis_url, key_prefix=prefix)
 
 

@@ -8,8 +8,8 @@ import sys
 import httpx
 import pytest
 
-from engine import EngineSettings, create_app
 from tests.support.servers import free_port, run_process, serve_app
+from tokcap_devtools.engine import EngineSettings, create_app
 
 KEY = "test-key-0123456789"
 GOOD = {"Authorization": f"Bearer {KEY}"}
@@ -49,7 +49,7 @@ def test_key_is_required_where_the_engine_requires_it(wire, guarded, open_paths)
 
 def test_cli_takes_the_key_from_the_environment_and_never_shows_it():
     shown = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "--help"],
+        [sys.executable, "-m", "tokcap_devtools.engine.cli", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -59,7 +59,7 @@ def test_cli_takes_the_key_from_the_environment_and_never_shows_it():
     assert KEY not in repr(EngineSettings(api_key=KEY))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    args = ["python", "-m", "engine.cli", "--port", str(port), "--wire", "sglang"]
+    args = ["python", "-m", "tokcap_devtools.engine.cli", "--port", str(port), "--wire", "sglang"]
     with run_process(args, ready_url=f"{base}/health", env={"TOKCAP_ENGINE_API_KEY": KEY}):
         assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
         assert httpx.get(f"{base}/v1/models", headers=GOOD, timeout=30).status_code == 200

@@ -7,8 +7,8 @@ import sys
 
 import httpx
 
-from engine.ground_truth import read_jsonl
 from tests.support.servers import free_port, run_process
+from tokcap_devtools.engine.ground_truth import read_jsonl
 
 
 def test_engine_process_serves_and_writes_ground_truth(tmp_path):
@@ -21,7 +21,7 @@ def test_engine_process_serves_and_writes_ground_truth(tmp_path):
     args = [
         "python",
         "-m",
-        "engine.cli",
+        "tokcap_devtools.engine.cli",
         "--port",
         str(port),
         "--model",
@@ -105,7 +105,7 @@ def test_tokcap_cli_has_the_engine_subcommand():
     ):
         assert flag in result.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "--noncanonical-rate", "2"],
+        [sys.executable, "-m", "tokcap_devtools.engine.cli", "--noncanonical-rate", "2"],
         capture_output=True,
         text=True,
         timeout=60,

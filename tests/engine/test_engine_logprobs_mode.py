@@ -14,9 +14,9 @@ import random
 import httpx
 import pytest
 
-from engine import EngineSettings, create_app
-from engine.sampler import FLOOR, PseudoModel
 from tests.support.servers import serve_app
+from tokcap_devtools.engine import EngineSettings, create_app
+from tokcap_devtools.engine.sampler import FLOOR, PseudoModel
 
 USER = [{"role": "user", "content": "run echo hello"}]
 EXTRAS = {"logprobs": True, "return_token_ids": True, "return_tokens_as_token_ids": True}

@@ -11,26 +11,26 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from engine import train_tokenizer
-from engine.generation import Engine, SamplingParams
-from engine.policies import (
+from tokcap_devtools.engine import train_tokenizer
+from tokcap_devtools.engine.generation import Engine, SamplingParams
+from tokcap_devtools.engine.policies import (
     Conversation,
     RandomPolicy,
     Reply,
     ScriptedPolicy,
     reply_text,
 )
-from engine.sampler import FLOOR, PseudoModel
-from engine.settings import EngineSettings
-from engine.template import (
+from tokcap_devtools.engine.sampler import FLOOR, PseudoModel
+from tokcap_devtools.engine.settings import EngineSettings
+from tokcap_devtools.engine.template import (
     COMPACT_SEPARATORS,
     TEMPLATE_SEPARATORS,
     messages_from_prompt,
     render,
     tools_from_prompt,
 )
-from engine.tokenizer import DEFAULT_TOKENIZER_PATH, StreamDecoder, load_tokenizer
-from engine.tool_parser import parse_reply
+from tokcap_devtools.engine.tokenizer import DEFAULT_TOKENIZER_PATH, StreamDecoder, load_tokenizer
+from tokcap_devtools.engine.tool_parser import parse_reply
 
 TOOLS = [
     {

@@ -16,11 +16,11 @@ import pytest
 from renderers import Qwen3RendererConfig, create_renderer
 
 from api.prompts.vocab import qwen3_tokenizer
-from engine import EngineSettings, create_app
-from engine.cli import add_arguments, settings_from_args
-from engine.template import messages_from_prompt
-from engine.tokenizer import load_tokenizer
 from tests.support.servers import serve_app
+from tokcap_devtools.engine import EngineSettings, create_app
+from tokcap_devtools.engine.cli import add_arguments, settings_from_args
+from tokcap_devtools.engine.template import messages_from_prompt
+from tokcap_devtools.engine.tokenizer import load_tokenizer
 
 THINK, THINK_END, CALL, CALL_END, IM_END = 151667, 151668, 151657, 151658, 151645
 TOOLS = [

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from engine import EngineSettings, create_app
 from tests.support.servers import serve_app
+from tokcap_devtools.engine import EngineSettings, create_app
 
 TOOLS = [
     {

@@ -10,8 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine import EngineSettings, create_app
 from tests.support.servers import serve_app
+from tokcap_devtools.engine import EngineSettings, create_app
 
 TOOLS = [
     {

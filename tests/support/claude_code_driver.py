@@ -46,7 +46,9 @@ def _start_engine(spec: dict[str, Any], workdir: Path, port: int, servers: list[
     real = spec.get("real_engine")
     if real is None:
         args = ["--host", "127.0.0.1", "--port", str(port), *spec["engine_args"]]
-        engine = Service("engine", "engine.cli", args, workdir, spec.get("engine_env", {}))
+        engine = Service(
+            "engine", "tokcap_devtools.engine.cli", args, workdir, spec.get("engine_env", {})
+        )
         servers.append(engine)
         wait_http(engine_url + "/health", timeout=SERVER_START_TIMEOUT_S, proc=engine.proc)
         return engine_url

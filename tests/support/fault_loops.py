@@ -28,7 +28,7 @@ import yaml
 
 from capture.delivery import finalize_rollout_token_capture
 from capture.rollout_ids import capture_base_url
-from engine.ground_truth import read_jsonl
+from tokcap_devtools.engine.ground_truth import read_jsonl
 
 MAX_TURNS = 12
 TOOL = {

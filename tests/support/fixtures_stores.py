@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
 
 StoreFactory = Callable[[pytest.FixtureRequest, Path], Awaitable[Any]]
 
 
-async def _file_store(request: pytest.FixtureRequest, tmp_path: Path) -> TokenCaptureStore:
-    return TokenCaptureStore(tmp_path / "captures")
+async def _file_store(request: pytest.FixtureRequest, tmp_path: Path) -> FileTokenStore:
+    return FileTokenStore(tmp_path / "captures")
 
 
 async def _redis_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:

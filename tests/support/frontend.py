@@ -22,11 +22,11 @@ from api.app import create_app
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from capture.delivery import RolloutBuild, finalize_rollout_token_capture
-from capture.filestore.store import TokenCaptureStore
+from capture.filestore.store import FileTokenStore
 from capture.records import TokenCaptureSnapshot
-from engine.server import create_app as create_engine_app
-from engine.settings import EngineSettings
 from tests.support.servers import serve_app
+from tokcap_devtools.engine.server import create_app as create_engine_app
+from tokcap_devtools.engine.settings import EngineSettings
 
 OVERRIDES = {"temperature": 0.75, "top_p": 0.95}
 BASH_TOOL = {
@@ -99,7 +99,7 @@ def run(coro: Any) -> Any:
 
 
 async def _with_store(store_dir: Path, work: Any) -> Any:
-    store = TokenCaptureStore(store_dir)
+    store = FileTokenStore(store_dir)
     try:
         return await work(store)
     finally:
@@ -120,7 +120,7 @@ def finalize(
     """Rebuild the rollout as a trainer would; returns (the record, the build)."""
     record = {"_ng_rollout_id": rollout_id, "response": {"output": output}}
 
-    async def work(store: TokenCaptureStore) -> RolloutBuild:
+    async def work(store: FileTokenStore) -> RolloutBuild:
         return await finalize_rollout_token_capture(record, store, delivery=delivery)
 
     return record, run(_with_store(store_dir, work))

@@ -297,9 +297,9 @@ async def test_inspect_holds_back_the_opt_out_warning_for_its_call_only(
 
 
 async def test_inspect_command_reads_a_file_store(tmp_path) -> None:
-    from capture.filestore.store import TokenCaptureStore
+    from capture.filestore.store import FileTokenStore
 
-    store = TokenCaptureStore(tmp_path / "captures")
+    store = FileTokenStore(tmp_path / "captures")
     try:
         for entry in rollout_entries("file-1", 2):
             await store.put(entry)

@@ -34,10 +34,10 @@ from tokcap.report.figures import (
     reason_group,
     warnings_of,
 )
-from transports.rebuild.publish import ResultToPublish, publish_once
+from transports.rebuild.publish import ResultToPublish, publish_durably
 from transports.rebuild.results import encode_result
-from transports.redis.durability import Durability
 from transports.redis.keys import shard_names, shard_of, stream_names
+from transports.redis.store import RedisTokenStore
 
 SEGMENTS = [
     {"role": role, "calls": [f"c{i}"], "output": [], "metrics": {}}
@@ -306,21 +306,20 @@ def test_warnings_a_first_run_should_flag() -> None:
 
 
 async def _publish(redis_url: str, stream: str, body: dict[str, Any], version: int) -> None:
-    """Publish one result as the worker does: ``encode_result`` and ``publish_once``."""
+    """Publish one result as the worker does: ``encode_result`` and ``publish_durably``."""
     summary = RolloutSummary(**body["_ng_token_capture"])
     status = "masked" if body.get("mask_sample") else "ok"
     built = RolloutBuild(body["_ng_rollout_id"], status, "snap-1", version, summary)
     fields = encode_result(body, rollout_id=body["_ng_rollout_id"], version=version)
-    client = aioredis.Redis.from_url(redis_url)
+    store = RedisTokenStore(url=redis_url, durability="none")
     try:
-        await publish_once(
-            client,
-            Durability(mode="none"),
+        await publish_durably(
+            store,
             ResultToPublish(stream, body["_ng_rollout_id"], "job-1", built, fields),
             guard_ttl_s=60,
         )
     finally:
-        await client.aclose()
+        await store.close()
 
 
 async def test_report_reads_the_results_stream(redis_url: str, redis_prefix: str, capsys) -> None:

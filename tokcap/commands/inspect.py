@@ -85,11 +85,11 @@ async def inspect_rollout(
 
 def _open_store(url: str | None, dir: str | None, key_prefix: str, cluster: bool) -> Any:
     if dir is not None:
-        from capture.filestore.store import TokenCaptureStore
+        from capture.filestore.store import FileTokenStore
 
         if not Path(dir).is_dir():
             raise FileNotFoundError(f"{dir} is not a directory of a file store")
-        return TokenCaptureStore(dir)
+        return FileTokenStore(dir)
     from transports.redis import RedisTokenStore
 
     # Read-only: no write needs the durability guarantee, so none is demanded.

@@ -15,12 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import redis.asyncio as aioredis
-
 from capture.delivery import RolloutBuild
 from transports.rebuild.results import SUPERSEDES_FIELD
 from transports.redis import keys as k
-from transports.redis.durability import Durability
 from transports.redis.keys import as_text
 
 # Publish a result unless this (rollout, snapshot, version) was published before; the guard
@@ -108,24 +105,11 @@ def _publish_call(result: ResultToPublish, guard_ttl_s: int) -> tuple[Any, ...]:
     return ("EVAL", PUBLISH_ONCE, 3, guard, result.results_stream, latest, *args)
 
 
-async def publish_once(
-    client: aioredis.Redis, durability: Durability, result: ResultToPublish, *, guard_ttl_s: int
-) -> Published:
-    """XADD the result unless its snapshot version was published before; durable on return."""
-    call = _publish_call(result, guard_ttl_s)
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.execute_command(*call)
-        for command in durability.wait:
-            pipe.execute_command(*command)
-        replies = await pipe.execute()
-    durability.verify(replies[1:])
-    return _published(replies[0])
-
-
 async def publish_durably(
     store: DurableRunner, result: ResultToPublish, *, guard_ttl_s: int
 ) -> Published:
-    """``publish_once`` through the store: on one connection to the server (on a cluster,
+    """XADD the result unless its snapshot version was published before, through the store:
+    durable on return, on one connection to the server (on a cluster,
     the master) holding the result's shard, with the wait that server proved it needs."""
     call = _publish_call(result, guard_ttl_s)
     (reply,) = await store.run_durably(call[3], [call])

@@ -8,7 +8,7 @@ drops past ``<think>`` blocks, ``json_reserialize`` is on the generation side (t
 writes compact JSON that this template re-serializes with spaces).
 
 It is the template of a ``tokenizer.json`` engine; ``--tokenizer qwen3`` renders with
-Qwen3's own (``engine.chat_template``). :func:`messages_from_prompt` reads prompts of both.
+Qwen3's own (``tokcap_devtools.engine.chat_template``). :func:`messages_from_prompt` reads prompts of both.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``tokcap engine``: run the tokcap engine (also ``python -m engine.cli``)."""
+"""``tokcap engine``: run the tokcap engine (also ``python -m tokcap_devtools.engine.cli``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The tokcap engine's HTTP app: one engine's wire format plus the ground truth.
 
 ``settings.wire`` picks the routes, reply shapes and error bodies: vLLM 0.10.2's
-(``engine.wire_vllm``, the default) or SGLang 0.5.23's (``engine.wire_sglang``). Both wires
+(``tokcap_devtools.engine.wire_vllm``, the default) or SGLang 0.5.23's (``tokcap_devtools.engine.wire_sglang``). Both wires
 share ``GET /health`` and, with ``settings.ground_truth`` (``--ground-truth``), ``GET``/``DELETE
 /tokcap/ground_truth`` (every sampled sequence, for tests and the demo; nobody else should
-read another's samples) and ``GET /tokcap/aborted`` (``engine.pacing``), and sample the same sequences for the same request. With an
-``api_key`` each wire asks for it where its engine does (``engine.auth``).
+read another's samples) and ``GET /tokcap/aborted`` (``tokcap_devtools.engine.pacing``), and sample the same sequences for the same request. With an
+``api_key`` each wire asks for it where its engine does (``tokcap_devtools.engine.auth``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How a chat request becomes prompt ids: the shipped ChatML template, or Qwen3's real one.
 
 With a ``tokenizer.json`` (the shipped one by default) the engine renders the ChatML Jinja
-template of ``engine.template`` to text and encodes it; what re-rendering loses there is
+template of ``tokcap_devtools.engine.template`` to text and encodes it; what re-rendering loses there is
 what the knobs make it lose. With ``--tokenizer qwen3`` it renders with the ``renderers``
 package's Qwen3 renderer, straight to ids, so what is lost is what Qwen3's template loses:
 the thinking of assistant turns before the last user query, the spacing of tool-call

@@ -1,7 +1,7 @@
 """The engine's tokenizer: a byte-level BPE (shipped or any ``tokenizer.json``) or Qwen3's.
 
 Ids come from `tokenizers` for a ``tokenizer.json`` (by default the shipped
-``engine/assets/tokenizer.json``), or, for ``qwen3``, from the real Qwen3 vocabulary that
+``tokcap_devtools/engine/assets/tokenizer.json``), or, for ``qwen3``, from the real Qwen3 vocabulary that
 ``api.prompts.vocab`` loads (tiktoken, 151,669 ids). Past encode/decode the engine only
 works with each token's raw bytes, so both backends look alike: it decodes token by token
 the way a streaming server does, and names two-token splits of a token (a non-canonical

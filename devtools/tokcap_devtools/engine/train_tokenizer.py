@@ -1,11 +1,11 @@
 """Train the engine's byte-level BPE tokenizer from the bundled corpus.
 
-Run once; the result is shipped as ``engine/assets/tokenizer.json`` so every process loads the
+Run once; the result is shipped as ``tokcap_devtools/engine/assets/tokenizer.json`` so every process loads the
 same ids. Training is deterministic for a fixed corpus, vocabulary size and `tokenizers`
 version, so re-running it reproduces the shipped file.
 
-    python -m engine.train_tokenizer            # train from engine/assets/corpus.txt
-    python -m engine.train_tokenizer --rebuild-corpus   # regenerate the corpus first
+    python -m tokcap_devtools.engine.train_tokenizer            # train from tokcap_devtools/engine/assets/corpus.txt
+    python -m tokcap_devtools.engine.train_tokenizer --rebuild-corpus   # regenerate the corpus first
 """
 
 from __future__ import annotations

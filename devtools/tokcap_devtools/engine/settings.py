@@ -31,11 +31,11 @@ class EngineSettings:
     # Required as "Authorization: Bearer <key>" where the wire's engine requires it.
     api_key: str | None = field(default=None, repr=False)
     policy: str = "scripted"  # "scripted" | "random"
-    script_path: str | None = None  # None: engine/assets/default_script.yaml
+    script_path: str | None = None  # None: tokcap_devtools/engine/assets/default_script.yaml
     seed: int = 0
     max_model_len: int = 131072
     # "qwen3" (Qwen3's vocabulary and chat template), a tokenizer.json (ChatML template), or
-    # None: engine/assets/tokenizer.json.
+    # None: tokcap_devtools/engine/assets/tokenizer.json.
     tokenizer_path: str | None = None
     ground_truth_path: str | None = None  # JSONL, one line per generated sequence
     # Serve GET/DELETE /tokcap/ground_truth: every sampled id, to anyone who asks, so only
@@ -56,7 +56,7 @@ class EngineSettings:
     # What GET /version names (vLLM wire, ids on): from 0.12 every stream chunk carries its
     # ids, and a front end relays streams from it; an older one is told apart by this.
     vllm_version: str = "0.12.0"
-    # Paced like a real engine under load (``engine.pacing``): seconds to the first token,
+    # Paced like a real engine under load (``tokcap_devtools.engine.pacing``): seconds to the first token,
     # then per token; 0 answers at once.
     first_token_s: float = 0.0
     token_s: float = 0.0
