@@ -15,8 +15,10 @@ The words every package uses, one per concept:
   only the retry loop around a put.
 - engine: the model server that samples (vLLM, SGLang); an engine adapter
   (``api.engines``) speaks one family's wire; the upstream client (``api.upstream``) is the
-  front end's client of it; the development engine (``tokcap engine``, ``devtools/``) is
-  the test stand-in for one.
+  front end's client of it; the development engine (``tokcap engine``,
+  ``tokcap_devtools.engine``) is the test stand-in for one.
+- store: what keeps entries, a sink and a source in one: ``FileTokenStore`` (node-local
+  files) or ``RedisTokenStore`` (``transports.redis``).
 - chain: calls whose prompts extend each other; the main chain is delivered, each other
   chain is reported, or delivered as a ``segment`` (``delivery: segments``).
 """

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from capture.errors import SchemaVersionError
+from capture.routes import Routes
 
 SCHEMA_VERSION = 1
 
@@ -32,7 +33,7 @@ TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_prob
 class TokenEntry(BaseModel):
     """The stored record of one call's tokens."""
 
-    model_config = ConfigDict(extra="allow", frozen=False)
+    model_config = ConfigDict(extra="allow", frozen=False, arbitrary_types_allowed=True)
 
     schema_version: int = SCHEMA_VERSION
     rollout_id: str
@@ -41,7 +42,8 @@ class TokenEntry(BaseModel):
     prompt_token_ids: list[int]
     generation_token_ids: list[int]
     generation_log_probs: list[float]
-    routed_experts: Any | None = None
+    # MoE routes (capture.routes.Routes), one row per position the model read; opt-in.
+    routed_experts: Routes | None = None
     output_items: list[dict[str, Any]] = Field(default_factory=list)
     token_item_index: int | None = None
     created_at: float = Field(default_factory=time.time)
@@ -71,6 +73,15 @@ class TokenEntry(BaseModel):
         # (capture.codec.views), a captured prompt packed ids (capture.codec.packed); a
         # dump always gives lists, as it did before.
         return value.tolist() if hasattr(value, "tolist") else list(value)
+
+    @field_validator("routed_experts", mode="before")
+    @classmethod
+    def _routes(cls, value: Any) -> Routes | None:
+        return None if value is None else Routes.coerce(value)
+
+    @field_serializer("routed_experts")
+    def _routes_as_wire(self, value: Routes | None) -> dict[str, Any] | None:
+        return None if value is None else value.wire()
 
     @model_validator(mode="after")
     def _consistent(self) -> TokenEntry:

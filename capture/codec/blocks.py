@@ -49,7 +49,17 @@ def cut(packed: bytes, block_size: int, parent: bytes = ROOT) -> list[Block]:
     of ``parent`` (the root, or the last whole block of a prefix cut before)."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
-    step = ID_BYTES * block_size
+    return cut_bytes(packed, ID_BYTES * block_size, parent)
+
+
+def routes_root(row_bytes: int) -> bytes:
+    """The parent of a routes chain's first block: apart from the ids' root, so the two
+    chains of one rollout never share a tail, and apart per row width."""
+    return chain_digest(ROOT, b"routed_experts" + row_bytes.to_bytes(4, "little"))
+
+
+def cut_bytes(packed: bytes, step: int, parent: bytes = ROOT) -> list[Block]:
+    """Cut bytes into chained blocks of ``step`` bytes (see ``cut``)."""
     blocks = []
     blake2b = hashlib.blake2b
     for start in range(0, len(packed), step):
@@ -138,7 +148,11 @@ def cached_parent(name: str, blocks: Mapping[str, bytes], cache: dict[Any, Any])
 
 
 def chain_names(
-    tip: str, count: int, blocks: Mapping[str, bytes], cache: dict[Any, Any] | None = None
+    tip: str,
+    count: int,
+    blocks: Mapping[str, bytes],
+    cache: dict[Any, Any] | None = None,
+    root: str = ROOT_NAME,
 ) -> list[str]:
     """The names of the chain ending in ``tip``, first block first, through parent links
     (``cache`` keeps each block's parent name for the other entries of a snapshot)."""
@@ -148,7 +162,7 @@ def chain_names(
     while len(names) < count:
         names.append(name)
         name = cached_parent(name, blocks, cache)
-    if count and name != ROOT_NAME:
+    if count and name != root:
         raise ValueError(f"block chain ending in {tip} is longer than its {count} blocks")
     return names[::-1]
 

@@ -43,8 +43,10 @@ from capture.codec.packed import (
     unpack_floats,
     unpack_ids,
 )
+from capture.codec.route_blocks import cut_routes, routes_from_blocks
 from capture.codec.views import IdView
 from capture.records import SCHEMA_VERSION, TokenEntry
+from capture.routes import Routes
 
 # 250 ids: a whole stored block (kind byte, 16-byte parent digest, 1,000 bytes of ids, and
 # Redis's 6-byte string header) fits jemalloc's 1 KiB size class, where 256 would take 1,280.
@@ -53,7 +55,9 @@ CODEC_VERSION = 2
 # A packed-id prompt's remembered prefix: its own bytes, then the generation's.
 _Parts = tuple[memoryview, memoryview]
 # Fields the body and blocks store in packed form instead of as msgpack lists.
-_PACKED = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
+_PACKED = frozenset(
+    {"prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts"}
+)
 # Set at capture; a retried put of the same call may carry another timestamp.
 _NOT_PAYLOAD = ("created_at",)
 
@@ -67,19 +71,32 @@ class EncodedEntry:
     chain: tuple[Block, ...]
     digest: str
     block_size: int = DEFAULT_BLOCK_SIZE
+    routes: tuple[Block, ...] = ()  # the routed experts' blocks (capture.codec.route_blocks)
+    route_row_bytes: int = 0
+
+    @property
+    def every_block(self) -> tuple[Block, ...]:
+        """The ids' blocks, then the routes' (each chain first block first)."""
+        return self.chain + self.routes
 
     @property
     def blocks(self) -> tuple[tuple[str, bytes], ...]:
-        """Every block in its whole stored form, first block first."""
-        return tuple((block.name, whole_block(block)) for block in self.chain)
+        """Every block in its whole stored form."""
+        return tuple((block.name, whole_block(block)) for block in self.every_block)
 
     @property
     def block_names(self) -> list[str]:
-        return [block.name for block in self.chain]
+        return [block.name for block in self.every_block]
 
     def plan(self, held: Container[str], tails: Mapping[str, bytes]) -> Writes:
-        """The blocks and tails a store must add, given the block names and tails it holds."""
-        return plan_writes(self.chain, ID_BYTES * self.block_size, held, tails)
+        """The blocks and tails a store must add, given the block names and tails it holds:
+        planned per chain, since each is closed under its own parents."""
+        writes = plan_writes(self.chain, ID_BYTES * self.block_size, held, tails)
+        if not self.routes:
+            return writes
+        full = self.route_row_bytes * self.block_size
+        more = plan_writes(self.routes, full, held, tails)
+        return Writes(writes.blocks + more.blocks, writes.tails + more.tails)
 
 
 def _canonical_rest(rest: Mapping[str, Any]) -> bytes:
@@ -198,18 +215,19 @@ def encode_entry(
     generated = len(generation)
     log_probs = pack_floats(entry.generation_log_probs)
     fields = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied
-    body = msgpack.packb(
-        {
-            "codec": CODEC_VERSION,
-            "fields": fields,
-            "prompt_len": prompt_len,
-            "generated": generated,
-            "tip": chain[-1].name if chain else "",
-            "n_blocks": len(chain),
-            "log_probs": log_probs,
-        },
-        use_bin_type=True,
-    )
+    data = {
+        "codec": CODEC_VERSION,
+        "fields": fields,
+        "prompt_len": prompt_len,
+        "generated": generated,
+        "tip": chain[-1].name if chain else "",
+        "n_blocks": len(chain),
+        "log_probs": log_probs,
+    }
+    routes: list[Block] = []
+    if entry.routed_experts is not None:
+        routes, data["routes"] = cut_routes(entry.routed_experts, block_size)
+    body = msgpack.packb(data, use_bin_type=True)
     # The sequence enters the digest through its chain tip at the default block size, not
     # the store's, so writers with any block size agree; at the default size (the usual
     # case) the ids are hashed once, for the chain, and not a second time for the digest.
@@ -221,7 +239,25 @@ def encode_entry(
     hasher.update(canonical[-1].name.encode() if canonical else b"-")
     hasher.update(log_probs)
     hasher.update(_canonical_rest(fields))
-    return EncodedEntry(entry.model_call_id, body, tuple(chain), hasher.hexdigest(), block_size)
+    if entry.routed_experts is not None:
+        hasher.update(_routes_digest(entry.routed_experts, routes, block_size))
+    return EncodedEntry(
+        entry.model_call_id,
+        body,
+        tuple(chain),
+        hasher.hexdigest(),
+        block_size,
+        tuple(routes),
+        entry.routed_experts.row_bytes if entry.routed_experts is not None else 0,
+    )
+
+
+def _routes_digest(routes: Routes, chain: list[Block], block_size: int) -> bytes:
+    """The routes' part of a payload digest: their shape and tip at the default block size."""
+    if block_size != DEFAULT_BLOCK_SIZE:
+        chain = cut_routes(routes, DEFAULT_BLOCK_SIZE)[0]
+    shape = b"%d,%d,%d;" % routes.shape
+    return shape + (chain[-1].name.encode() if chain else b"-")
 
 
 def read_body(body: bytes) -> dict[str, Any]:
@@ -340,6 +376,8 @@ def decode_entry(
         )
     prompt, generation = IdView(sequence, 0, prompt_len), IdView(sequence, prompt_len, length)
     fields = {**data["fields"], "generation_log_probs": unpack_floats(data["log_probs"])}
+    if "routes" in data:
+        fields["routed_experts"] = routes_from_blocks(data["routes"], blocks, cache)
     if not (trusted and shared):
         fields.update(prompt_token_ids=prompt.tolist(), generation_token_ids=generation.tolist())
     else:

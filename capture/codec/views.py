@@ -21,6 +21,7 @@ from typing import Any
 
 from capture.codec.listlike import ListLikeIds
 from capture.codec.packed import PackedIds
+from capture.routes import Routes
 
 
 class IdView(ListLikeIds):
@@ -84,12 +85,14 @@ def _listed(part: list[int] | array[int]) -> list[int]:
     return part if isinstance(part, list) else part.tolist()
 
 
-def json_default(value: Any) -> list[int]:
+def json_default(value: Any) -> Any:
     """``default=`` for ``json.dumps``, orjson and ``msgpack.packb``: a rebuilt record's
     token arrays may be views (or an entry's prompt packed ids), which serializers do not
-    know; each is written as its list."""
+    know; each is written as its list, and routed experts as their compact wire object."""
     if isinstance(value, (IdView, PackedIds)):
         return value.tolist()
+    if isinstance(value, Routes):
+        return value.wire()
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 

@@ -18,8 +18,10 @@ from capture.codec.views import IdView
 from capture.config import load_capture_config
 from capture.errors import ConfigError
 from capture.protocols import IntentSink, TokenSink, TokenSource
+from capture.routes import Routes
 from tests.support.fixtures_stores import make_token_entry
 from tests.support.rollouts import growing_rollout
+from tests.support.routes import rollout
 from transports.redis import RedisTokenSink, RedisTokenSource, RedisTokenStore
 from transports.redis.keys import rollout_key
 
@@ -356,3 +358,21 @@ async def test_a_payload_stored_at_another_block_size_teaches_no_block_names(
     finally:
         await first.close()
         await second.close()
+
+
+async def test_routes_come_back_from_redis_as_each_call_was_served(store, redis_prefix) -> None:
+    """Routed experts ride in blocks beside the ids, by name or with their bytes; a call
+    re-put with other routes is another payload and marks the rollout incomplete."""
+    entries = rollout(12, per_turn=300, rollout_id="routes")  # long: blocks by name first
+    for entry in entries:
+        await store.put(entry)
+    again = entries[3].model_copy(
+        update={"routed_experts": Routes.from_array(entries[3].routed_experts.to_numpy() + 1)}
+    )
+    await store.put(entries[3])  # the same payload: a no-op
+    with pytest.raises(Exception, match="different payload|conflict"):
+        await store.put(again)
+    snapshot = await store.freeze("routes")
+    got = {entry.model_call_id: entry.routed_experts for entry in snapshot.entries}
+    assert got == {entry.model_call_id: entry.routed_experts for entry in entries}
+    assert snapshot.incomplete

@@ -144,8 +144,9 @@ class Put:
     @classmethod
     def plan(cls, entry: EncodedEntry, known: Known | None) -> Put:
         """Send what ``known`` does not hold; an unknown long entry goes by name first."""
-        if known is None and sum(len(block.data) for block in entry.chain) > BLIND_SEND_BYTES:
-            blocks = [(b.name, b.parent.hex(), b"", b"", b"") for b in entry.chain]
+        every = entry.every_block
+        if known is None and sum(len(block.data) for block in every) > BLIND_SEND_BYTES:
+            blocks = [(b.name, b.parent.hex(), b"", b"", b"") for b in every]
             names = frozenset(entry.block_names)
             return cls(entry, None, _flat(blocks), {}, names)
         return cls._with_bytes(entry, known)
@@ -171,7 +172,7 @@ class Put:
         sent with their bytes are sent again (the script skips any held by then).
         """
         epoch, lacking = reply[1], reply[2:]
-        parents = {block.name: block.parent.hex() for block in self.entry.chain}
+        parents = {block.name: block.parent.hex() for block in self.entry.every_block}
         missing = {name.decode() for name in lacking[0::2]}
         tails = dict(self.known.tails) if self.known else {}
         for name, tail in zip(lacking[0::2], lacking[1::2], strict=True):

@@ -1,0 +1,157 @@
+"""MoE routed experts of one call: which experts each layer routed each position to.
+
+Engines return them for every position the model read (prompt and generation, all but the
+last sampled token, which no forward pass has seen yet): ``[positions, layers, top_k]``
+expert indices. tokcap keeps them as little-endian uint16 bytes (every engine's width fits:
+vLLM sends uint8 or uint16, SGLang int32 of values below the expert count) held in parts,
+so a decoded rollout's calls share their common prefix's bytes instead of copying them.
+
+On the wire (a rebuilt record, the results stream) they are one object a trainer turns
+into an array in one call::
+
+    {"encoding": "base64", "dtype": "uint16", "shape": [n, layers, top_k], "data": "..."}
+    numpy.frombuffer(base64.b64decode(r["data"]), r["dtype"]).reshape(r["shape"])
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy
+
+ROUTE_DTYPE = "<u2"
+WIRE_DTYPE = "uint16"
+ITEM_BYTES = 2
+MAX_EXPERT = 2**16 - 1
+
+
+class Routes:
+    """The routes of ``rows`` positions, ``layers`` x ``top_k`` uint16 experts each."""
+
+    __slots__ = ("parts", "rows", "layers", "top_k")
+
+    def __init__(self, parts: Sequence[bytes], rows: int, layers: int, top_k: int) -> None:
+        if layers < 1 or top_k < 1 or rows < 0:
+            raise ValueError(f"routes shape [{rows}, {layers}, {top_k}] is not valid")
+        self.parts = tuple(parts)
+        self.rows, self.layers, self.top_k = rows, layers, top_k
+        held = sum(len(part) for part in self.parts)
+        if held < rows * self.row_bytes:
+            raise ValueError(f"routes hold {held} bytes, fewer than {rows} rows need")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layers * self.top_k * ITEM_BYTES
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.rows, self.layers, self.top_k)
+
+    def to_bytes(self) -> bytes:
+        """The rows' bytes, row-major, joined once."""
+        size = self.rows * self.row_bytes
+        if len(self.parts) == 1 and len(self.parts[0]) == size:
+            return bytes(self.parts[0])
+        return b"".join(self.parts)[:size]
+
+    def to_numpy(self) -> numpy.ndarray:
+        """A read-only ``[rows, layers, top_k]`` uint16 array."""
+        return numpy.frombuffer(self.to_bytes(), ROUTE_DTYPE).reshape(self.shape)
+
+    def wire(self) -> dict[str, Any]:
+        """The compact JSON form (module docstring)."""
+        data = base64.b64encode(self.to_bytes()).decode("ascii")
+        return {"encoding": "base64", "dtype": WIRE_DTYPE, "shape": list(self.shape), "data": data}
+
+    def max_expert(self) -> int:
+        return int(self.to_numpy().max()) if self.rows else -1
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Routes):
+            return NotImplemented
+        return self.shape == other.shape and self.to_bytes() == other.to_bytes()
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.to_bytes()))
+
+    def __repr__(self) -> str:
+        return f"Routes(shape={list(self.shape)})"
+
+    @classmethod
+    def from_array(cls, array: Any) -> Routes:
+        """From anything numpy reads as a 3-D array of non-negative integers."""
+        values = numpy.asarray(array)
+        if values.ndim != 3:
+            raise ValueError(f"routes must be [positions, layers, top_k], got {values.ndim}-D")
+        if values.size and values.dtype.kind not in "iu":
+            raise ValueError(f"routes must be integers, got {values.dtype}")
+        if values.size and (values.min() < 0 or values.max() > MAX_EXPERT):
+            raise ValueError(f"expert indices must be in [0, {MAX_EXPERT}]")
+        rows, layers, top_k = values.shape
+        data = numpy.ascontiguousarray(values, dtype=ROUTE_DTYPE).tobytes()
+        return cls((data,), rows, layers, top_k)
+
+    @classmethod
+    def coerce(cls, value: Any) -> Routes:
+        """Routes from their wire object, an ``.npy`` or raw base64 with a shape, or lists."""
+        if isinstance(value, Routes):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_wire(value)
+        return cls.from_array(value)
+
+    @classmethod
+    def from_wire(cls, value: Mapping[str, Any]) -> Routes:
+        shape = value.get("shape")
+        if not (isinstance(shape, list) and len(shape) == 3):
+            raise ValueError("routes need a shape [positions, layers, top_k]")
+        raw = decode_base64(value.get("data"))
+        dtype = numpy.dtype(str(value.get("dtype") or WIRE_DTYPE)).newbyteorder("<")
+        if len(raw) != int(numpy.prod(shape)) * dtype.itemsize:
+            raise ValueError(f"routes data has {len(raw)} bytes, not what shape {shape} needs")
+        return cls.from_array(numpy.frombuffer(raw, dtype).reshape(shape))
+
+
+def decode_base64(data: Any) -> bytes:
+    if not isinstance(data, str):
+        raise ValueError("routes data must be a base64 string")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError as exc:
+        raise ValueError(f"routes data is not base64: {exc}") from None
+
+
+def routes_from_npy(data: str) -> Routes:
+    """vLLM's form (0.32, ``choices[i].routed_experts``): a base64 ``.npy`` file."""
+    try:
+        array = numpy.load(io.BytesIO(decode_base64(data)), allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"routed_experts is not a .npy array: {exc}") from None
+    return Routes.from_array(array)
+
+
+def routes_from_flat(data: str, layers: int, top_k: int, dtype: str = "<i4") -> Routes:
+    """SGLang's form (0.5, ``meta_info.routed_experts``): base64 of a flat int32 array."""
+    flat = numpy.frombuffer(decode_base64(data), dtype)
+    if layers < 1 or top_k < 1 or flat.size % (layers * top_k):
+        raise ValueError(f"{flat.size} expert indices do not fill rows of {layers} x {top_k}")
+    return Routes.from_array(flat.reshape(-1, layers, top_k))
+
+
+def routes_problem(
+    routes: Routes, prompt_len: int, generated: int, num_experts: int | None = None
+) -> str | None:
+    """Why ``routes`` cannot be this call's, or None: one row per position the model read
+    (the prompt and every sampled token but the last), experts below ``num_experts``."""
+    expected = max(prompt_len + generated - 1, 0)
+    if routes.rows != expected:
+        return (
+            f"routed_experts has {routes.rows} rows for {prompt_len} prompt and "
+            f"{generated} generated tokens (expected {expected})"
+        )
+    if num_experts is not None and routes.max_expert() >= num_experts:
+        return f"routed_experts names expert {routes.max_expert()} of {num_experts}"
+    return None

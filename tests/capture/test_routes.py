@@ -1,0 +1,100 @@
+"""Routed experts: their wire forms, their checks, and their blocks shared by prefix."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy
+import pytest
+
+from capture.codec.entries import decode_entries, encode_entry
+from capture.codec.views import json_default
+from capture.filestore.store import FileTokenStore
+from capture.records import TokenEntry
+from capture.routes import Routes, routes_from_flat, routes_from_npy, routes_problem
+from tests.support.routes import EXPERTS, LAYERS, TOP_K, rollout, routes_for
+
+
+def test_the_wire_forms_read_back_to_the_same_routes() -> None:
+    array = routes_for(list(range(30)))
+    routes = Routes.from_array(array)
+    assert routes.shape == (29, LAYERS, TOP_K)
+    wire = json.loads(json.dumps(routes, default=json_default))
+    decoded = numpy.frombuffer(base64.b64decode(wire["data"]), wire["dtype"]).reshape(wire["shape"])
+    assert (decoded == array).all() and Routes.coerce(wire) == routes
+    npy = io.BytesIO()
+    numpy.save(npy, array.astype(numpy.uint8))  # vLLM sends uint8 below 256 experts
+    assert routes_from_npy(base64.b64encode(npy.getvalue()).decode()) == routes
+    flat = base64.b64encode(array.astype("<i4").tobytes()).decode()  # SGLang's int32
+    assert routes_from_flat(flat, LAYERS, TOP_K) == routes
+    with pytest.raises(ValueError, match="do not fill rows"):
+        routes_from_flat(flat, LAYERS, 3)
+    with pytest.raises(ValueError, match="not base64"):
+        routes_from_npy("%%%")
+    with pytest.raises(ValueError, match="got 2-D"):
+        Routes.from_array([[1, 2]])
+    with pytest.raises(ValueError, match="expert indices"):
+        Routes.from_array(-numpy.ones((1, 1, 1), dtype=int))
+
+
+def test_routes_must_cover_every_position_the_model_read_and_name_real_experts() -> None:
+    routes = Routes.from_array(routes_for(list(range(30))))
+    assert routes_problem(routes, 20, 10, EXPERTS) is None
+    assert "29 rows for 20 prompt and 11 generated" in routes_problem(routes, 20, 11)
+    assert "names expert" in routes_problem(routes, 20, 10, num_experts=8)
+
+
+def test_an_entry_keeps_its_routes_through_the_codec() -> None:
+    entries = rollout(3)
+    encoded = [encode_entry(entry, block_size=16) for entry in entries]
+    stored: dict[str, bytes] = {}
+    for item in encoded:
+        for name, data in item.plan(stored.keys(), {}).blocks:
+            stored[name] = data
+    decoded = decode_entries([item.body for item in encoded], stored, trusted=True, shared=True)
+    for entry, back in zip(entries, decoded, strict=True):
+        assert back.routed_experts == entry.routed_experts
+        assert (back.routed_experts.to_numpy() == entry.routed_experts.to_numpy()).all()
+    # Routes enter the payload digest: the same call with other routes is another payload.
+    shifted = Routes.from_array(routes_for(entries[0].full_sequence) + 1)
+    other = entries[0].model_copy(update={"routed_experts": shifted})
+    assert encode_entry(other).digest != encode_entry(entries[0]).digest
+    assert encode_entry(entries[0]).digest == encode_entry(entries[0], block_size=16).digest
+
+
+def stored_bytes(entries: list[TokenEntry]) -> int:
+    """What a store holds of the entries' blocks, put one after another."""
+    stored: dict[str, bytes] = {}
+    tails: dict[str, bytes] = {}
+    for entry in entries:
+        writes = encode_entry(entry).plan(stored.keys(), tails)
+        stored.update(writes.blocks)
+        tails.update(writes.tails)
+    return sum(len(data) for data in stored.values())
+
+
+def test_a_rollouts_routes_are_stored_about_once() -> None:
+    """Each call's routes repeat the previous call's: stored, they grow with the final
+    context, not with turns x context."""
+    entries = rollout(30)
+    without = [entry.model_copy(update={"routed_experts": None}) for entry in entries]
+    routes_stored = stored_bytes(entries) - stored_bytes(without)
+    last = entries[-1].routed_experts
+    final = last.rows * last.row_bytes
+    assert final <= routes_stored < 1.5 * final
+    every_call = sum(e.routed_experts.rows * last.row_bytes for e in entries)
+    assert every_call > 10 * final  # what storing each call's routes whole would take
+
+
+async def test_the_file_store_delivers_each_calls_routes(tmp_path) -> None:
+    store = FileTokenStore(tmp_path / "captures")
+    entries = rollout(4)
+    for entry in entries:
+        await store.put(entry)
+    snapshot = await store.freeze("r")
+    await store.close()
+    got = {entry.model_call_id: entry.routed_experts for entry in snapshot.entries}
+    assert got == {entry.model_call_id: entry.routed_experts for entry in entries}
+    assert not snapshot.incomplete
