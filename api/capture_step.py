@@ -92,6 +92,7 @@ def call_entry(
         overridden_sampling_keys=list(generation.overridden_keys),
         created_at=time.time(),  # given: a default factory is looked up anew per construct
         **_clamp_field(generation),
+        **_routes_field(generation),
         **generation.entry_fields,
     )
 
@@ -101,6 +102,12 @@ def _prompt_for(generation: Generation, call: CallCapture) -> Sequence[int]:
     if packed is not None and reads_packed_ids(call.sink):
         return PackedIds(packed)
     return generation.prompt_token_ids or []
+
+
+def _routes_field(generation: Generation) -> dict[str, Any]:
+    """``routed_experts`` where they are captured (an entry without them has the default)."""
+    routes = generation.routed_experts
+    return {} if routes is None else {"routed_experts": routes}
 
 
 def _clamp_field(generation: Generation) -> dict[str, Any]:

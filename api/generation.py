@@ -22,6 +22,7 @@ from typing import Any
 import numpy
 
 from capture.codec.packed import pack_ids
+from capture.routes import Routes
 
 
 class UpstreamError(Exception):
@@ -54,6 +55,8 @@ class Generation:
     entry_fields: dict[str, Any] = field(default_factory=dict)
     # The prompt ids packed (little-endian uint32) by their check, for the entry to carry.
     prompt_packed: bytes | None = None
+    # MoE routes, checked against the ids (``api.expert_routes``), where they are captured.
+    routed_experts: Routes | None = None
 
     @property
     def text(self) -> str:
@@ -118,6 +121,7 @@ def with_changes(generation: Generation, **changes: Any) -> Generation:
             generation_token_ids=None,
             generation_log_probs=None,
             prompt_packed=None,
+            routed_experts=None,
         )
     return replace(generation, **changes)
 

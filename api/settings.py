@@ -46,6 +46,7 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "TOKCAP_DOCS": ("docs",),
     "TOKCAP_KEEPALIVE_S": ("keepalive_s",),
     "TOKCAP_UPSTREAM_CONNECTIONS": ("upstream_connections",),
+    "TOKCAP_ROUTED_EXPERTS": ("routed_experts",),
     "TOKCAP_RENDERER": ("renderer", "name"),
     "TOKCAP_RENDERER_TOKENIZER": ("renderer", "tokenizer"),
 }
@@ -79,6 +80,19 @@ class RendererSettings(BaseModel):
     name: str = "qwen3"  # a renderer of the ``renderers`` package
     tokenizer: str | None = None  # qwen3, or a local tokenizer file or directory
     thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
+
+
+class MoeSettings(BaseModel):
+    """``model_server.moe``: the policy's MoE shape, where the routes are checked against it.
+
+    SGLang sends routes as one flat list, so ``layers`` and ``top_k`` are what shape them
+    there; vLLM's carry their shape, which must then agree. ``experts`` bounds each index."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layers: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    experts: int | None = Field(default=None, gt=0)
 
 
 class ServerSettings(BaseModel):
@@ -117,6 +131,10 @@ class ServerSettings(BaseModel):
     # this secret, or on a rollout's own paths that rollout's token (``capture.rollout_token``).
     # Never shown, like upstream_api_key.
     auth_secret: str | None = Field(default=None, repr=False)
+    # Capture each call's MoE routed experts with its ids (the engine must be started with
+    # --enable-return-routed-experts); a call answered without usable routes is lost.
+    routed_experts: bool = False
+    moe: MoeSettings | None = None
     # Serve /docs, /redoc and /openapi.json; off by default, the schema is no one's business.
     docs: bool = False
     capture: TokenIdCaptureConfig = Field(default_factory=TokenIdCaptureConfig)
@@ -149,6 +167,8 @@ class ServerSettings(BaseModel):
                 "prompts: faithful needs model_server.renderer.tokenizer "
                 "(qwen3, or a local tokenizer file or directory)"
             )
+        if self.moe is not None and not self.routed_experts:
+            raise ValueError("moe describes the routes; set routed_experts: true to capture them")
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ValueError(
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "

@@ -37,6 +37,7 @@ from api.engines.vllm_stream import (
     finished,
     sse_data,
 )
+from api.expert_routes import with_routes
 from api.generation import Generation, UpstreamError, prompt_check, with_changes
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class UpstreamClient:
         engine: str = "auto",
         api_key: str | None = None,
         connections: int = 0,
+        routed_experts: bool = False,
+        moe: Any = None,
     ) -> None:
         if vocab_size is not None and vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive integer or None, not {vocab_size}")
@@ -151,6 +154,8 @@ class UpstreamClient:
         self.sampling_overrides = dict(sampling_overrides or {})
         self.vocab_size = vocab_size
         self.engine = engine_family(engine)  # "auto" until the first call names the family
+        self.routed_experts = routed_experts  # every call's routes captured and checked
+        self.moe = moe  # the MoE shape the routes are checked against (SGLang: shaped by)
         # A key wins over the URL's user and password.
         authorization = f"Bearer {api_key}" if api_key else basic_auth
         headers = {"authorization": authorization} if authorization else {}
@@ -176,6 +181,8 @@ class UpstreamClient:
             engine=settings.engine,
             api_key=settings.upstream_api_key,
             connections=settings.upstream_connections,
+            routed_experts=settings.routed_experts,
+            moe=settings.moe,
         )
 
     async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -273,9 +280,18 @@ class UpstreamClient:
 
     async def can_relay(self) -> bool:
         """Whether a streamed call can be relayed as the engine samples it: a vLLM whose
-        chat stream carries every chunk's ids (``api.engines.vllm_stream.RELAY_SINCE``)."""
+        chat stream carries every chunk's ids (``api.engines.vllm_stream.RELAY_SINCE``),
+        unless routes are captured (vLLM's chat stream does not carry them)."""
         await self.learn()
+        if self.routed_experts:
+            return False
         return self.engine == "vllm" and self._release is not None and self._release >= RELAY_SINCE
+
+    def _routed(self, generation: Generation, response: Mapping[str, Any]) -> Generation:
+        """The generation with its checked routes, where routes are captured."""
+        if not self.routed_experts:
+            return generation
+        return with_routes(generation, response, self.adapter, self.moe)
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
         return UpstreamError(502, f"upstream {self.where} unreachable: {type(exc).__name__}")
@@ -288,6 +304,8 @@ class UpstreamClient:
         answers ``tools: []`` with ``tool_choice`` with a 400)."""
         model = await self.model_name(chat_request.get("model"))
         body, overridden = self.adapter.chat_body(chat_request, model, self.sampling_overrides)
+        if self.routed_experts:
+            body.update(self.adapter.ROUTES_REQUEST)
         if not body.get("tools"):
             body.pop("tools", None)
             body.pop("tool_choice", None)
@@ -386,8 +404,8 @@ class UpstreamClient:
         if clamp is not None:
             generation = with_changes(generation, max_tokens_clamp=clamp)
         if self._legacy and generation.ids_problem is None and generation.prompt_token_ids is None:
-            return await self._with_tokenized_prompt(generation, body)
-        return generation
+            generation = await self._with_tokenized_prompt(generation, body)
+        return self._routed(generation, response)
 
     def _retry_clamp(self, error: UpstreamError, body: dict[str, Any]) -> tuple[int, int]:
         """The clamp a context-length refusal allows, or the refusal itself (re-raised)."""
@@ -421,8 +439,11 @@ class UpstreamClient:
             params["max_tokens"] = max(self.max_model_len - len(prompt_ids), 1)
         clamp = self._clamped(params, len(prompt_ids))
         path, body = adapter.tokens_body(prompt_ids, name, params)
+        if self.routed_experts:
+            body.update(adapter.ROUTES_REQUEST)
         response = await self._post(path, body)
         generation = adapter.read_tokens(response, prompt_ids, vocab_size=self.vocab_size)
+        generation = self._routed(generation, response)
         return with_changes(
             generation,
             overridden_keys=tuple(sorted(self.sampling_overrides)),

@@ -5,17 +5,23 @@ sequence (``input_ids``), its loss mask (1 where the policy sampled, 0 for conte
 sampled log-probs aligned with it (0.0 at context positions) and the role of the segment
 it came from (``main`` for the chain in ``response.output``). A masked record has no
 samples, nor has one never rebuilt, unless it carried its own token ids.
+
+Where routes were captured, ``routed_experts`` has one row per position of ``input_ids``:
+the routes the last call of the sample was served with (they cover every position it read;
+the last position, which no call read, is zeros). ``.to_numpy()`` makes it a
+``[len(input_ids), layers, top_k]`` array.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from capture.build.projection import flat_sequence
+from capture.build.projection import carriers, flat_sequence
 from capture.build.segments import SEGMENTS_KEY
 from capture.delivery import MASK_KEY, METRICS_KEY, carries_token_ids
+from capture.routes import Routes
 
 MAIN_ROLE = "main"
 
@@ -27,19 +33,33 @@ class TrainingSample:
     loss_mask: list[int]
     log_probs: list[float]
     n_calls: int
+    routed_experts: Routes | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(replace(self, routed_experts=None)), "routed_experts": self.routed_experts}
 
 
 def sample_of(items: Iterable[Any], role: str) -> TrainingSample:
     """One contiguous sample from token-bearing items; ValueError when they are not one
     sequence (a carrier's prompt does not extend everything before it)."""
+    items = list(items)
     try:
         ids, mask, log_probs, calls = flat_sequence(items)
     except ValueError as exc:
         raise ValueError(f"{role}: {exc}") from None
-    return TrainingSample(role, ids, mask, log_probs, calls)
+    return TrainingSample(role, ids, mask, log_probs, calls, sample_routes(items, len(ids)))
+
+
+def sample_routes(items: Iterable[Any], length: int) -> Routes | None:
+    """The sample's routes, a row per position (module docstring); None unless every call
+    of it carries routes."""
+    found = carriers(items)
+    if not found or any(item.get("routed_experts") is None for item in found):
+        return None
+    last = Routes.coerce(found[-1]["routed_experts"])
+    if last.rows != length - 1:
+        raise ValueError(f"the last call's routes have {last.rows} rows for {length} positions")
+    return Routes((last.to_bytes(), bytes(last.row_bytes)), length, last.layers, last.top_k)
 
 
 def training_samples(record: Mapping[str, Any]) -> list[TrainingSample]:

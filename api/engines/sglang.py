@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.engines import common
+from api.expert_routes import flat_routes
 from api.generation import (
     Generation,
     finish,
@@ -31,6 +32,7 @@ from api.generation import (
     sent_prompt_check,
     with_changes,
 )
+from capture.routes import Routes
 
 NAME = "sglang"
 CHAT_PATH = "/v1/chat/completions"
@@ -49,6 +51,23 @@ NO_IDS = (
 )
 # Sampling keys of a chat request and their /generate names.
 _SAMPLING_NAMES = {"max_tokens": "max_new_tokens"}
+
+
+# What a call asks for to get its routes back (the server also needs
+# --enable-return-routed-experts).
+ROUTES_REQUEST: dict[str, Any] = {"return_routed_experts": True}
+
+
+def read_routes(response: Mapping[str, Any], moe: Any = None) -> Routes | None:
+    """The routes in ``meta_info.routed_experts`` (``/generate``'s, or the chat choice's),
+    base64 of a flat int32 array shaped by ``model_server.moe``; None when absent."""
+    meta = response.get("meta_info")
+    if not isinstance(meta, Mapping):
+        choices = response.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else {}
+        meta = choice.get("meta_info") if isinstance(choice, Mapping) else None
+    data = meta.get("routed_experts") if isinstance(meta, Mapping) else None
+    return flat_routes(data, moe)
 
 
 def predates_token_ids(version: Any) -> bool:

@@ -33,6 +33,7 @@ from api.generation import (
     sent_prompt_check,
     with_changes,
 )
+from capture.routes import Routes, routes_from_npy
 
 NAME = "vllm"
 CHAT_PATH = "/v1/chat/completions"
@@ -56,6 +57,20 @@ NO_PROMPT_IDS = (
     "the engine returned no prompt_token_ids although return_token_ids was requested "
     "(vLLM >= 0.10.2 returns them; an older engine must say so at GET /version)"
 )
+
+
+# What a call asks for to get its routes back: nothing, vLLM sends them whenever it was
+# started with --enable-return-routed-experts.
+ROUTES_REQUEST: dict[str, Any] = {}
+
+
+def read_routes(response: Mapping[str, Any], moe: Any = None) -> Routes | None:
+    """The routes of the reply's choice (vLLM 0.32 ``CompletionResponseChoice`` and
+    ``ChatCompletionResponseChoice.routed_experts``: a base64 ``.npy``), or None."""
+    choices = response.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    data = choice.get("routed_experts") if isinstance(choice, Mapping) else None
+    return None if data is None else routes_from_npy(data)
 
 
 def release_of(version: Any) -> tuple[int, ...] | None:

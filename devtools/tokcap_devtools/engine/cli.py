@@ -8,6 +8,7 @@ import sys
 
 from tokcap import verb_main
 
+from .routing import MoeShape
 from .settings import LOGPROBS_MODES, WIRES, EngineSettings, load_generation_config
 
 API_KEY_ENV = "TOKCAP_ENGINE_API_KEY"
@@ -124,6 +125,14 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds per generated token after the first (default %(default)s)",
     )
     parser.add_argument(
+        "--routed-experts",
+        metavar="LAYERSxTOP_KxEXPERTS",
+        type=MoeShape.parse,
+        default=None,
+        help="serve as an MoE that returns every position's routed experts with whole "
+        "replies, like vLLM's --enable-return-routed-experts (e.g. 48x8x128; default: off)",
+    )
+    parser.add_argument(
         "--json-reserialize",
         action="store_true",
         help="tool-call JSON is generated compact, re-rendered with spaces (default: off)",
@@ -169,6 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         logprobs_mode=args.logprobs_mode,
         first_token_s=args.first_token_s,
         token_s=args.token_s,
+        moe=args.routed_experts,
     )
     if args.generation_config:
         settings.generation_config = load_generation_config(args.generation_config)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .generation import Generation
+from .routing import MoeShape, routes_of, vllm_routes
 from .sampler import Step
 from .tokenizer import EngineTokenizer
 
@@ -34,6 +35,7 @@ class ReplyOptions:
     include_usage: bool = False
     continuous_usage: bool = False
     id_fields: bool = True  # False: vLLM < 0.10.2, which has no token id fields at all
+    moe: MoeShape | None = None  # routes per choice, as with --enable-return-routed-experts
 
 
 _ID_FIELDS = ("prompt_token_ids", "token_ids")
@@ -46,6 +48,13 @@ def _without_id_fields(body: dict) -> dict:
         for key in _ID_FIELDS:
             choice.pop(key, None)
     return body
+
+
+def _routes(opts: ReplyOptions, prompt_ids: list[int], gen: Generation) -> str | None:
+    """A choice's routes as vLLM 0.32 sends them (None unless the engine is an MoE)."""
+    if opts.moe is None:
+        return None
+    return vllm_routes(routes_of([*prompt_ids, *gen.token_ids], opts.moe), opts.moe)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -111,6 +120,7 @@ def chat_completion(tokenizer: EngineTokenizer, gens: list[Generation], opts: Re
             "finish_reason": gen.finish_reason,
             "stop_reason": gen.stop_reason,
             "token_ids": list(gen.token_ids) if opts.return_token_ids else None,
+            "routed_experts": _routes(opts, opts.prompt_ids, gen),
         }
         for gen in gens
     ]
@@ -284,6 +294,7 @@ def completion(
                     "token_ids": list(gen.token_ids) if opts.return_token_ids else None,
                     "prompt_logprobs": None,
                     "prompt_token_ids": list(prompt_ids) if opts.return_token_ids else None,
+                    "routed_experts": _routes(opts, prompt_ids, gen),
                 }
             )
     body = {

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from .routing import MoeShape
+
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "max_tokens")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # Neutral sampling: what a request that omits a field gets without a generation config.
@@ -60,6 +62,9 @@ class EngineSettings:
     # then per token; 0 answers at once.
     first_token_s: float = 0.0
     token_s: float = 0.0
+    # An MoE: whole replies carry every position's routed experts (vLLM's and SGLang's
+    # --enable-return-routed-experts; ``tokcap_devtools.engine.routing``).
+    moe: MoeShape | None = None
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:

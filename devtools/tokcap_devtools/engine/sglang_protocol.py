@@ -21,6 +21,7 @@ class SGLangChatRequest(ChatCompletionRequest):
     model: str | None = "default"
     return_prompt_token_ids: bool | None = False
     return_meta_info: bool | None = False
+    return_routed_experts: bool = False
 
     @property
     def stream_refused_flag(self) -> str | None:
@@ -54,6 +55,7 @@ class GenerateRequest(OpenAIBase):
     logprob_start_len: int | None = None
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
     stream: bool = False
     rid: str | None = None
 

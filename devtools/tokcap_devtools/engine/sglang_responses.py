@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from .generation import Generation
 from .responses import chat_deltas, message_content
+from .routing import MoeShape, routes_of, sglang_routes
 from .sampler import FLOOR, Step
 from .tokenizer import EngineTokenizer
 
@@ -45,6 +46,8 @@ class SGLangReply:
     meta_info: bool = False
     include_usage: bool = False
     started: float = 0.0  # time.perf_counter() when the request arrived
+    # Routes in the final meta_info: an MoE engine asked for them (return_routed_experts).
+    moe: MoeShape | None = None
 
 
 def logprob_value(logprob: float) -> float | None:
@@ -112,6 +115,9 @@ def meta_info(
                 [_triple(tokenizer, t, lp, text) for t, lp in _top(s, reply.top_logprobs)]
                 for s in steps
             ]
+    if reply.moe is not None and done:
+        routes = routes_of([*reply.prompt_ids, *gen.token_ids], reply.moe)
+        info["routed_experts"] = sglang_routes(routes)
     info["e2e_latency"] = round(time.perf_counter() - reply.started, 6)
     return info
 

@@ -162,6 +162,7 @@ def _chat_reply(
         meta_info=bool(req.return_meta_info),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         started=started,
+        moe=engine.settings.moe if req.return_routed_experts else None,
     )
 
 
@@ -221,6 +222,7 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
         logprobs=req.return_logprob,
         top_logprobs=req.top_logprobs_num,
         started=started,
+        moe=engine.settings.moe if req.return_routed_experts else None,
     )
     text = req.return_text_in_logprobs
     if req.stream:

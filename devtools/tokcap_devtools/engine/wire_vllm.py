@@ -82,6 +82,7 @@ def _options(
         id_fields=engine.settings.token_id_fields,
         include_usage=bool(stream_options and stream_options.include_usage),
         continuous_usage=bool(stream_options and stream_options.continuous_usage_stats),
+        moe=engine.settings.moe,
     )
 
 
