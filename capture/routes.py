@@ -66,6 +66,59 @@ class Routes:
         data = base64.b64encode(self.to_bytes()).decode("ascii")
         return {"encoding": "base64", "dtype": WIRE_DTYPE, "shape": list(self.shape), "data": data}
 
+    def packed(self) -> dict[str, Any]:
+        """The binary form for msgpack (the results stream): shape and raw bytes."""
+        return {"dtype": WIRE_DTYPE, "shape": list(self.shape), "bytes": self.to_bytes()}
+
+    @classmethod
+    def from_packed(cls, value: Mapping[str, Any], before: Routes | None = None) -> Routes:
+        """``packed`` read back; with ``before``, the rows continue those routes (whose
+        parts are shared, not copied)."""
+        rows, layers, top_k = (int(n) for n in value["shape"])
+        data = bytes(value["bytes"])
+        if before is None:
+            return cls((data,), rows, layers, top_k)
+        if (before.layers, before.top_k) != (layers, top_k):
+            raise ValueError("routes continue routes of another shape")
+        return cls((*before.span(0, before.rows), data), before.rows + rows, layers, top_k)
+
+    def span(self, start: int, stop: int) -> list[bytes]:
+        """The parts holding rows ``start`` to ``stop``, sliced only at the two ends."""
+        begin, end = start * self.row_bytes, stop * self.row_bytes
+        parts: list[bytes] = []
+        at = 0
+        for part in self.parts:
+            low, high = max(begin - at, 0), min(end - at, len(part))
+            if low < high:
+                parts.append(part if (low, high) == (0, len(part)) else part[low:high])
+            at += len(part)
+            if at >= end:
+                break
+        return parts
+
+    def shared_rows(self, before: Routes) -> int:
+        """``before.rows`` when these routes start with all of ``before``'s rows, else 0.
+
+        Routes decoded from one rollout's blocks share those blocks' bytes, so the parts
+        both hold are proven equal by identity; only the rest is compared."""
+        if before.shape[1:] != self.shape[1:] or before.rows > self.rows:
+            return 0
+        size = before.rows * self.row_bytes
+        done = 0
+        for mine, theirs in zip(self.parts, before.parts, strict=False):
+            if mine is not theirs or done + len(mine) > size:
+                break
+            done += len(mine)
+        if done >= size:
+            return before.rows
+        start = done // self.row_bytes
+        mine = b"".join(self.span(start, before.rows))
+        return before.rows if mine == b"".join(before.span(start, before.rows)) else 0
+
+    def rows_from(self, start: int) -> Routes:
+        """The routes of rows ``start`` on, sharing the parts that hold them."""
+        return Routes(self.span(start, self.rows), self.rows - start, self.layers, self.top_k)
+
     def max_expert(self) -> int:
         return int(self.to_numpy().max()) if self.rows else -1
 

@@ -9,12 +9,14 @@ import json
 import numpy
 import pytest
 
+from capture.build.projection import project_call
 from capture.codec.entries import decode_entries, encode_entry
 from capture.codec.views import json_default
 from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
 from capture.routes import Routes, routes_from_flat, routes_from_npy, routes_problem
 from tests.support.routes import EXPERTS, LAYERS, TOP_K, rollout, routes_for
+from transports.rebuild.results import decode_result, encode_result
 
 
 def test_the_wire_forms_read_back_to_the_same_routes() -> None:
@@ -98,3 +100,33 @@ async def test_the_file_store_delivers_each_calls_routes(tmp_path) -> None:
     got = {entry.model_call_id: entry.routed_experts for entry in snapshot.entries}
     assert got == {entry.model_call_id: entry.routed_experts for entry in entries}
     assert not snapshot.incomplete
+
+
+def test_the_results_stream_carries_routes_once_and_gives_them_back_exactly() -> None:
+    """A rebuilt record's carriers each hold their call's routes; on the stream each
+    stores only the rows after the previous carrier's, and decoding restores them."""
+    entries = rollout(20)
+    encoded = [encode_entry(entry) for entry in entries]
+    stored: dict[str, bytes] = {}
+    for item in encoded:
+        stored.update(item.plan(stored.keys(), {}).blocks)
+    decoded = decode_entries([item.body for item in encoded], stored, trusted=True, shared=True)
+    output = [item for entry in decoded for item in project_call(entry)]
+    record = {"_ng_rollout_id": "r", "response": {"output": output}}
+    fields = encode_result(record, rollout_id="r", version=1)
+    back = decode_result("1-0", fields)
+    carriers = [i for i in back["response"]["output"] if "generation_token_ids" in i]
+    assert [c["routed_experts"] for c in carriers] == [e.routed_experts for e in entries]
+    last = entries[-1].routed_experts
+    every_call = sum(e.routed_experts.rows for e in entries) * last.row_bytes
+    assert len(fields["record"]) < last.rows * last.row_bytes + 12 * len(entries[-1].full_sequence)
+    assert len(fields["record"]) < every_call / 5
+    # Routes that do not continue the previous carrier's are sent whole, and come back.
+    changed = Routes.from_array(entries[5].routed_experts.to_numpy() + 1)
+    output[[i for i, o in enumerate(output) if "routed_experts" in o][5]]["routed_experts"] = (
+        changed
+    )
+    back = decode_result("1-1", encode_result(record, rollout_id="r", version=2))
+    carriers = [i for i in back["response"]["output"] if "generation_token_ids" in i]
+    assert carriers[5]["routed_experts"] == changed
+    assert carriers[6]["routed_experts"] == entries[6].routed_experts

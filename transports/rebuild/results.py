@@ -13,7 +13,9 @@ as ``_ng_supersedes``. The newer result is authoritative (see the README's train
 
 On the wire a token-bearing item whose ``prompt_token_ids`` extends the previous item's
 prompt + generation stores only the new tail, so a result grows with the final context,
-not with turns x context. ``decode_result`` restores the exact arrays.
+not with turns x context; its routed experts, likewise, only the rows after the previous
+item's, as raw uint16 bytes. ``decode_result`` restores the exact arrays (routes as
+``capture.routes.Routes``, whose ``to_numpy()`` is the trainer's array).
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from capture.codec.views import IdView, json_default, shares_prefix
+from capture.routes import Routes
 from transports.redis.keys import as_text
 
 RESULT_ID_KEY = "_ng_result_id"
 SUPERSEDES_KEY = "_ng_supersedes"  # on a decoded record: the result id this one replaces
 SUPERSEDES_FIELD = "supersedes"  # the same, as a stream field beside the record
 _PREFIX_MARK = "_tokcap_prompt_prefix"
+_ROUTES_MARK = "_tokcap_routes_prefix"  # the item's routes continue the previous item's
+ROUTES_KEY = "routed_experts"
 
 
 def _output_items(record: Mapping[str, Any]) -> list[Any] | None:
@@ -51,6 +56,7 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
         return record
     compacted = []
     previous: tuple[Sequence[int], Sequence[int]] | None = None
+    routes: Routes | None = None
     for item in items:
         prompt = item.get("prompt_token_ids") if isinstance(item, dict) else None
         if not isinstance(prompt, (list, IdView)):
@@ -60,10 +66,23 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
         shared = _shared_prefix(prompt, previous)
         if shared:
             out = {**item, _PREFIX_MARK: shared, "prompt_token_ids": prompt[shared:]}
+        if item.get(ROUTES_KEY) is not None:
+            out, routes = _compact_routes(out, routes)
         compacted.append(out)
         generation = item.get("generation_token_ids")
         previous = (prompt, generation if isinstance(generation, (list, IdView)) else [])
     return {**record, "response": {**record["response"], "output": compacted}}
+
+
+def _compact_routes(item: dict[str, Any], before: Routes | None) -> tuple[dict[str, Any], Routes]:
+    """The item with its routes packed, only the rows after ``before``'s where they
+    continue them; and its routes, for the next item."""
+    routes = Routes.coerce(item[ROUTES_KEY])
+    shared = routes.shared_rows(before) if before is not None else 0
+    out = {**item, ROUTES_KEY: routes.rows_from(shared).packed()}
+    if shared:
+        out[_ROUTES_MARK] = shared
+    return out, routes
 
 
 def _shared_prefix(
@@ -95,7 +114,10 @@ def expand_record(record: dict[str, Any]) -> dict[str, Any]:
     if not items:
         return record
     sequence: list[int] = []
+    routes: Routes | None = None
     for item in items:
+        if isinstance(item, dict) and isinstance(item.get(ROUTES_KEY), Mapping):
+            routes = _expand_routes(item, routes)
         if not isinstance(item, dict) or not isinstance(item.get("prompt_token_ids"), list):
             continue
         shared = item.pop(_PREFIX_MARK, None)
@@ -112,6 +134,16 @@ def expand_record(record: dict[str, Any]) -> dict[str, Any]:
             sequence.extend(generation)
             item["generation_token_ids"] = IdView(sequence, prompt_len, len(sequence))
     return record
+
+
+def _expand_routes(item: dict[str, Any], before: Routes | None) -> Routes:
+    """Undo ``_compact_routes`` in place: the item's routes, whole (sharing ``before``'s)."""
+    shared = item.pop(_ROUTES_MARK, None)
+    if shared is not None and (before is None or before.rows != shared):
+        raise ValueError(f"result routes extend {shared} rows the item before does not hold")
+    routes = Routes.from_packed(item[ROUTES_KEY], before if shared else None)
+    item[ROUTES_KEY] = routes
+    return routes
 
 
 def encode_result(record: dict[str, Any], **meta: Any) -> dict[str, Any]:
