@@ -1,0 +1,171 @@
+"""Routed experts on a long synthetic rollout: bytes stored, put, freeze + rebuild, memory.
+
+Run: ``.venv/bin/python -m bench.bench_routes`` (``--turns 200 --layers 48 --top-k 8``).
+
+The rollout is ``bench_capture``'s agent loop (a 2,000-token system prompt, then per turn
+200 generated and 300 tool-output tokens: 102k tokens at 200 turns). With routes, every
+call carries the routes of every position it read, ``[tokens - 1, layers, top_k]`` uint16,
+as an engine sends them: each call's routes start with the previous call's (routes of a
+prefix do not change when it is extended). The same rollout is stored without routes in
+the same run, as the baseline, each variant in fresh child processes (one puts into a file
+store, one only freezes and rebuilds, for a clean peak RSS):
+
+- routes bytes stored (with minus without) / the final context's routes (goal <= 1.5x);
+- CPU per put, freeze + rebuild time and peak RSS, with routes against without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy
+
+from bench.bench_capture import (
+    FINAL_ANSWER,
+    GENERATED_PER_TURN,
+    SYSTEM_TOKENS,
+    TOOL_PER_TURN,
+    lazy_rollout,
+)
+from capture.build.builder import run_builder
+from capture.filestore.store import FileTokenStore
+from capture.routes import Routes
+
+EXPERTS = 128
+
+
+def final_routes(turns: int, layers: int, top_k: int) -> bytes:
+    """Routes for every position of the final context (seeded): each call's are a prefix."""
+    positions = SYSTEM_TOKENS + turns * (GENERATED_PER_TURN + TOOL_PER_TURN)
+    rng = numpy.random.default_rng(0)
+    return rng.integers(0, EXPERTS, (positions, layers, top_k), dtype="<u2").tobytes()
+
+
+async def child_put(directory: Path, turns: int, shape: tuple[int, int] | None) -> dict:
+    routes = final_routes(turns, *shape) if shape else b""
+    store = FileTokenStore(directory)
+    cpu_ms = []
+    try:
+        for entry in lazy_rollout("r", turns):
+            if shape:
+                rows = len(entry.prompt_token_ids) + len(entry.generation_token_ids) - 1
+                entry.routed_experts = Routes((routes,), rows, *shape)
+            await store.begin_call(entry.rollout_id, entry.model_call_id)
+            start = time.process_time()
+            await store.put(entry)
+            cpu_ms.append((time.process_time() - start) * 1000)
+    finally:
+        await store.close()
+    stored = sum(path.stat().st_size for path in directory.iterdir() if path.is_file())
+    return {"put_cpu_p50_ms": statistics.median(cpu_ms), "stored_bytes": stored}
+
+
+async def child_rebuild(directory: Path, turns: int, repeat: int, routed: bool) -> dict:
+    times = []
+    for _ in range(repeat):
+        store = FileTokenStore(directory)
+        try:
+            start = time.perf_counter()
+            snapshot = await store.freeze("r")
+            build = run_builder(snapshot, final_answer=[FINAL_ANSWER])
+            times.append((time.perf_counter() - start) * 1000)
+        finally:
+            await store.close()
+        carriers = [item for item in build.output if "generation_token_ids" in item]
+        if build.masked or len(carriers) != turns:
+            raise RuntimeError(f"rebuild went wrong: {build.mask_reasons}")
+        if routed and any(item.get("routed_experts") is None for item in carriers):
+            raise RuntimeError("a delivered call lost its routes")
+        del snapshot, build, carriers
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"rebuild_ms": statistics.median(times), "rss_mb": peak}
+
+
+def _child(args: list[str]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "bench.bench_routes", *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"child {args} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(turns: int, shape: tuple[int, int] | None, repeat: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(
+        prefix="tokcap-routes-", dir=os.environ.get("BENCH_DIR")
+    ) as tmp:
+        where = ["--dir", str(Path(tmp) / "captures"), "--turns", str(turns)]
+        if shape:
+            where += ["--layers", str(shape[0]), "--top-k", str(shape[1])]
+        else:
+            where += ["--no-routes"]
+        figures = _child(["--child", "put", *where])
+        figures |= _child(["--child", "rebuild", *where, "--repeat", str(repeat)])
+    return figures
+
+
+def report(turns: int, shape: tuple[int, int], repeat: int) -> None:
+    without = measure(turns, None, repeat)
+    routed = measure(turns, shape, repeat)
+    # The last call's sequence: the system prompt, every turn before it, its generation.
+    positions = SYSTEM_TOKENS + (turns - 1) * (GENERATED_PER_TURN + TOOL_PER_TURN)
+    positions += GENERATED_PER_TURN
+    final = (positions - 1) * shape[0] * shape[1] * 2
+    every_call = sum(
+        (SYSTEM_TOKENS + turn * (GENERATED_PER_TURN + TOOL_PER_TURN) + GENERATED_PER_TURN - 1)
+        for turn in range(turns)
+    )
+    every_call *= shape[0] * shape[1] * 2
+    routes_stored = routed["stored_bytes"] - without["stored_bytes"]
+    print(f"{turns} turns, {positions:,} tokens, routes {shape[0]} layers x top-{shape[1]}")
+    print(f"  final context's routes          {final / 1e6:10.1f} MB")
+    print(f"  every call's routes, whole      {every_call / 1e6:10.1f} MB")
+    print(
+        f"  routes stored                   {routes_stored / 1e6:10.1f} MB  "
+        f"= x{routes_stored / final:.3f} of the final context's (goal <= 1.5)"
+    )
+    rows = [
+        ("stored (MB)", "stored_bytes", 1e-6),
+        ("CPU per put p50 (ms)", "put_cpu_p50_ms", 1.0),
+        ("freeze + rebuild (ms)", "rebuild_ms", 1.0),
+        ("peak RSS, rebuild (MB)", "rss_mb", 1.0),
+    ]
+    print(f"  {'':26} {'without':>10} {'with routes':>12} {'ratio':>8}")
+    for label, key, scale in rows:
+        a, b = without[key] * scale, routed[key] * scale
+        print(f"  {label:26} {a:10.1f} {b:12.1f} {b / a:7.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3, help="freeze+rebuild repetitions")
+    parser.add_argument("--child", choices=("put", "rebuild"), help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument("--no-routes", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    shape = None if args.no_routes else (args.layers, args.top_k)
+    if args.child == "put":
+        print(json.dumps(asyncio.run(child_put(Path(args.dir), args.turns, shape))))
+    elif args.child == "rebuild":
+        figures = child_rebuild(Path(args.dir), args.turns, args.repeat, shape is not None)
+        print(json.dumps(asyncio.run(figures)))
+    else:
+        report(args.turns, (args.layers, args.top_k), args.repeat)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
