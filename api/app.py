@@ -11,6 +11,7 @@ worker's start-up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -26,6 +27,7 @@ from api.dialects.common import RequestError
 from api.generation import UpstreamError
 from api.limits import BodyLimit, parse_json_object
 from api.metrics import FrontEndMetrics
+from api.policy import PolicyVersion, policy_version_route
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.routing import OPEN_PATHS, CapturePrefixRouter, RequireKey, SinkSlot
 from api.serving import Dialect, serve_call
@@ -75,9 +77,14 @@ async def _lifespan(app: FastAPI, settings: ServerSettings, slot: SinkSlot) -> A
     slot.sink = sink
     app.state.upstream = UpstreamClient.from_settings(settings)
     app.state.prompts = faithful_prompts(settings)
+    app.state.policy = PolicyVersion(sink)
+    with contextlib.suppress(Exception):
+        await app.state.policy.refresh()  # a version set before this worker started
+    following = asyncio.create_task(app.state.policy.follow())
     try:
         yield
     finally:
+        following.cancel()
         slot.sink = None
         await app.state.upstream.close()
         if owned and sink is not None:
@@ -258,6 +265,7 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/tokcap/policy_version", policy_version_route, methods=["GET", "PUT"])
     for path, name, schema in MODEL_ROUTES:
         route = _model_route(DIALECTS[name])
         app.add_api_route(path, route, methods=["POST"], openapi_extra=_request_body(schema))

@@ -92,7 +92,7 @@ def call_entry(
         overridden_sampling_keys=list(generation.overridden_keys),
         created_at=time.time(),  # given: a default factory is looked up anew per construct
         **_clamp_field(generation),
-        **_routes_field(generation),
+        **_signal_fields(generation),
         **generation.entry_fields,
     )
 
@@ -104,10 +104,14 @@ def _prompt_for(generation: Generation, call: CallCapture) -> Sequence[int]:
     return generation.prompt_token_ids or []
 
 
-def _routes_field(generation: Generation) -> dict[str, Any]:
-    """``routed_experts`` where they are captured (an entry without them has the default)."""
-    routes = generation.routed_experts
-    return {} if routes is None else {"routed_experts": routes}
+def _signal_fields(generation: Generation) -> dict[str, Any]:
+    """``routed_experts`` and ``policy_version`` where there are (else the defaults)."""
+    fields: dict[str, Any] = {}
+    if generation.routed_experts is not None:
+        fields["routed_experts"] = generation.routed_experts
+    if generation.policy_version is not None:
+        fields["policy_version"] = generation.policy_version
+    return fields
 
 
 def _clamp_field(generation: Generation) -> dict[str, Any]:

@@ -57,6 +57,9 @@ class Generation:
     prompt_packed: bytes | None = None
     # MoE routes, checked against the ids (``api.expert_routes``), where they are captured.
     routed_experts: Routes | None = None
+    # The policy version the call ran under: the engine's report, else the trainer's at
+    # dispatch (``api.policy``).
+    policy_version: str | None = None
 
     @property
     def text(self) -> str:

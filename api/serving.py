@@ -33,6 +33,7 @@ from api.hangup import client_gone
 from api.jsonbytes import JSONBytesResponse
 from api.limits import RETRY_HEADERS, parse_json_object, release_body, take_body
 from api.metrics import FrontEndMetrics
+from api.policy import stamped
 from api.prompts.faithful import FaithfulPrompts, Prompt
 from api.traits import request_traits, with_traits
 from api.types import ServedCall
@@ -237,10 +238,12 @@ async def _work(
     """The engine, then the capture; the outcome the harness is answered with."""
     metrics: FrontEndMetrics = state.metrics
     intent = _begin_call_while_dispatching()
+    dispatched_under = state.policy.current  # a version set while the engine works is not ours
     started = time.perf_counter()
     try:
         with state.collisions.watching(work.call, traits):
             generation = with_traits(await _generate(state, chat_request, prompt, work), traits)
+            generation = stamped(generation, dispatched_under)
     except asyncio.CancelledError:  # the harness hung up: nothing reached it
         await _resolve_intent(intent)
         metrics.record_call(dialect.name, "abandoned")

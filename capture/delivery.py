@@ -111,6 +111,10 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+# A record's own word on the policy version its consumer trains now (the lag counts from it).
+CURRENT_VERSION_KEY = "_ng_current_policy_version"
+
+
 def _mark(result: Any, masked: bool, summary: RolloutSummary) -> None:
     # A record someone else already masked stays masked: finalize only ever adds a mask.
     if isinstance(result, MutableMapping):
@@ -185,12 +189,14 @@ async def finalize_rollout_token_capture(
     rollout_id: str | None = None,
     delivery: Delivery = "chain",
     min_delivered_fraction: float | None = None,
+    current_policy_version: str | int | None = None,
 ) -> RolloutBuild:
     """Freeze, rebuild and attach the rollout's tokens to ``result``; never raises.
 
     ``delivery="segments"`` also attaches every other chain under ``_ng_token_segments``;
     ``min_delivered_fraction`` masks a rollout that delivers a smaller share of what it
-    sampled (``token_id_capture`` has both keys).
+    sampled (``token_id_capture`` has both keys). ``current_policy_version`` (else the
+    record's ``_ng_current_policy_version``) is what ``policy_version_lag`` counts from.
     """
     snapshot: TokenCaptureSnapshot | None = None
     try:
@@ -205,8 +211,13 @@ async def finalize_rollout_token_capture(
                 f"source returned a snapshot of rollout {build.rollout_id!r} for {rollout_id!r}"
             )
         reasons = _mask_reasons(snapshot, build, min_delivered_fraction)
+        if current_policy_version is None:
+            current_policy_version = result.get(CURRENT_VERSION_KEY)
         summary = RolloutSummary.of_build(
-            build, capture_incomplete=bool(snapshot.incomplete), mask_reasons=reasons
+            build,
+            capture_incomplete=bool(snapshot.incomplete),
+            mask_reasons=reasons,
+            current_policy_version=current_policy_version,
         )
         if not reasons:
             result["response"]["output"] = list(build.output)

@@ -44,6 +44,9 @@ class TokenEntry(BaseModel):
     generation_log_probs: list[float]
     # MoE routes (capture.routes.Routes), one row per position the model read; opt-in.
     routed_experts: Routes | None = None
+    # The policy version the call ran under: the engine's report, else the version the
+    # trainer had set at the front end when the call was dispatched (None: neither).
+    policy_version: str | None = None
     output_items: list[dict[str, Any]] = Field(default_factory=list)
     token_item_index: int | None = None
     created_at: float = Field(default_factory=time.time)

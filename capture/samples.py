@@ -9,7 +9,8 @@ samples, nor has one never rebuilt, unless it carried its own token ids.
 Where routes were captured, ``routed_experts`` has one row per position of ``input_ids``:
 the routes the last call of the sample was served with (they cover every position it read;
 the last position, which no call read, is zeros). ``.to_numpy()`` makes it a
-``[len(input_ids), layers, top_k]`` array.
+``[len(input_ids), layers, top_k]`` array. Where calls carry policy versions,
+``policy_versions`` names each call's sampled span and its version.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class TrainingSample:
     log_probs: list[float]
     n_calls: int
     routed_experts: Routes | None = None
+    # Each call's generated positions [start, stop) and the policy version it ran under.
+    policy_versions: list[tuple[int, int, str | None]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(replace(self, routed_experts=None)), "routed_experts": self.routed_experts}
@@ -47,7 +50,21 @@ def sample_of(items: Iterable[Any], role: str) -> TrainingSample:
         ids, mask, log_probs, calls = flat_sequence(items)
     except ValueError as exc:
         raise ValueError(f"{role}: {exc}") from None
-    return TrainingSample(role, ids, mask, log_probs, calls, sample_routes(items, len(ids)))
+    routes = sample_routes(items, len(ids))
+    return TrainingSample(role, ids, mask, log_probs, calls, routes, version_spans(items))
+
+
+def version_spans(items: list[Any]) -> list[tuple[int, int, str | None]] | None:
+    """Where each call's sampled tokens sit and the version that sampled them; None when
+    no call names a version."""
+    found = carriers(items)
+    if all(item.get("policy_version") is None for item in found):
+        return None
+    spans = []
+    for item in found:
+        start = len(item["prompt_token_ids"])
+        spans.append((start, start + len(item["generation_token_ids"]), item.get("policy_version")))
+    return spans
 
 
 def sample_routes(items: Iterable[Any], length: int) -> Routes | None:

@@ -40,15 +40,25 @@ class RolloutSummary:
     # and roots whose conversation began before their first captured call (calls lost).
     unexplained_roots: int = 0
     missing_start_roots: int = 0
+    # The policy versions the delivered calls ran under, each once, in call order; and how
+    # many versions the oldest lags the one the consumer named (integer versions only).
+    policy_versions: list[str] = field(default_factory=list)
+    policy_version_lag: int | None = None
     capture_incomplete: bool | None = None  # None: no snapshot was read
     mask_reasons: list[str] = field(default_factory=list)  # empty: delivered unmasked
     error: str | None = None  # a failed build's error
 
     @classmethod
     def of_build(
-        cls, build: BuildResult, *, capture_incomplete: bool, mask_reasons: list[str]
+        cls,
+        build: BuildResult,
+        *,
+        capture_incomplete: bool,
+        mask_reasons: list[str],
+        current_policy_version: str | int | None = None,
     ) -> RolloutSummary:
         """The summary of a build the builder finished (masked or not)."""
+        versions = policy_versions(build)
         return cls(
             n_calls=build.n_calls,
             chains=len(build.chains),
@@ -69,6 +79,8 @@ class RolloutSummary:
             segments=dict(sorted(Counter(segment.role for segment in build.segments).items())),
             unexplained_roots=len(build.unexplained_roots),
             missing_start_roots=len(build.missing_start_roots),
+            policy_versions=versions,
+            policy_version_lag=version_lag(versions, current_policy_version),
             capture_incomplete=capture_incomplete,
             mask_reasons=list(mask_reasons),
         )
@@ -83,3 +95,20 @@ class RolloutSummary:
 
 
 SUMMARY_KEYS = tuple(RolloutSummary.__dataclass_fields__)
+
+
+def policy_versions(build: BuildResult) -> list[str]:
+    """The versions of the delivered calls (main chain, then segments), each once."""
+    entries = [*build.main_entries, *(e for s in build.segments for e in s.calls)]
+    seen = dict.fromkeys(e.policy_version for e in entries if e.policy_version is not None)
+    return list(seen)
+
+
+def version_lag(versions: list[str], current: str | int | None) -> int | None:
+    """``current`` minus the oldest version, where every version is an integer."""
+    if current is None or not versions:
+        return None
+    try:
+        return int(current) - min(int(version) for version in versions)
+    except (TypeError, ValueError):
+        return None

@@ -49,6 +49,8 @@ NO_IDS = (
     "the engine returned no response_token_ids although return_token_ids was requested "
     "(SGLang >= 0.5.17 returns them)"
 )
+# What SGLang reports as its weight version until one is set (server_args.weight_version).
+UNSET_WEIGHT_VERSION = "default"
 # Sampling keys of a chat request and their /generate names.
 _SAMPLING_NAMES = {"max_tokens": "max_new_tokens"}
 
@@ -163,7 +165,15 @@ def read_chat(
             generation.prompt_token_ids, generation.usage, vocab_size, missing=missing
         )
         generation = with_changes(generation, prompt_packed=packed)
+    generation = with_changes(generation, policy_version=weight_version(choice.get("meta_info")))
     return finish(generation, problem, vocab_size)
+
+
+def weight_version(meta: Any) -> str | None:
+    """The weights' version SGLang reports in ``meta_info`` (``--weight-version``,
+    ``/update_weight_version``); None for its unset default, ``"default"``."""
+    version = meta.get("weight_version") if isinstance(meta, Mapping) else None
+    return None if version in (None, "", UNSET_WEIGHT_VERSION) else str(version)
 
 
 def tokens_body(
@@ -210,4 +220,5 @@ def read_tokens(
     if problem is None:
         packed, problem = sent_prompt_check(prompt_ids, usage)
         generation = with_changes(generation, prompt_packed=packed)
+    generation = with_changes(generation, policy_version=weight_version(meta))
     return finish(generation, problem, vocab_size)

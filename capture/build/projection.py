@@ -145,6 +145,8 @@ def project_call(entry: TokenEntry) -> list[dict[str, Any]]:
     item["generation_log_probs"] = entry.generation_log_probs
     if entry.routed_experts is not None:
         item["routed_experts"] = entry.routed_experts
+    if entry.policy_version is not None:
+        item["policy_version"] = entry.policy_version
     return items
 
 

@@ -31,6 +31,7 @@ from capture.errors import (
     TokenCaptureError,
 )
 from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
+from capture.filestore.policy import read_policy_version, write_policy_version
 from capture.filestore.records import (
     RolloutState,
     entries_from_records,
@@ -122,6 +123,14 @@ class FileTokenStore:
     async def find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None:
         """The call whose entry carries ``lineage_key`` (faithful prompts); reads only."""
         return await self._run(self._find_call, rollout_id, lineage_key)
+
+    async def set_policy_version(self, version: str) -> None:
+        """Set the version every front end on this directory stamps new calls with."""
+        await asyncio.to_thread(write_policy_version, self.dir, version)
+
+    async def policy_version(self) -> str | None:
+        """The version last set (None: never)."""
+        return read_policy_version(self.dir)
 
     # -- source -------------------------------------------------------------------------
 

@@ -376,3 +376,22 @@ async def test_routes_come_back_from_redis_as_each_call_was_served(store, redis_
     got = {entry.model_call_id: entry.routed_experts for entry in snapshot.entries}
     assert got == {entry.model_call_id: entry.routed_experts for entry in entries}
     assert snapshot.incomplete
+
+
+async def test_the_policy_version_is_one_per_prefix_and_survives_a_new_client(
+    store, redis_url, redis_prefix
+) -> None:
+    assert await store.policy_version() is None
+    await store.set_policy_version("12")
+    other = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
+    try:
+        assert await other.policy_version() == "12"
+        await other.set_policy_version("13")
+    finally:
+        await other.close()
+    assert await store.policy_version() == "13"
+    elsewhere = RedisTokenStore(url=redis_url, key_prefix=redis_prefix + "-other")
+    try:
+        assert await elsewhere.policy_version() is None
+    finally:
+        await elsewhere.close()

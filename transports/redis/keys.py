@@ -50,6 +50,11 @@ INTENT_VOID = b"void"
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
+def policy_version_key(prefix: str) -> str:
+    """The policy version the trainer set: every front end stamps new calls with it."""
+    return f"{prefix}:policy_version"
+
+
 def rollout_key(prefix: str, rollout_id: str) -> str:
     return f"{prefix}:{{{rollout_id}}}"
 

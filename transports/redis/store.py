@@ -316,6 +316,22 @@ class RedisTokenStore:
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
         await self._reach.retrying(lambda: execute_raw(self._reach.route(key)[0], "DEL", key))
 
+    async def set_policy_version(self, version: str) -> None:
+        """Set the version every front end on this store stamps new calls with; durable."""
+        await self.run_durably(
+            k.policy_version_key(self.key_prefix),
+            [("SET", k.policy_version_key(self.key_prefix), version)],
+        )
+
+    async def policy_version(self) -> str | None:
+        """The version last set (None: never)."""
+        await self.check()
+        key = k.policy_version_key(self.key_prefix)
+        value = await self._reach.retrying(
+            lambda: execute_raw(self._reach.route(key)[0], "GET", key)
+        )
+        return None if value is None else k.as_text(value)
+
     async def run_durably(self, key: str, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Run ``commands`` (all on ``key``'s slot) and the durability wait after them on one
         connection of the server that holds ``key``; their replies, once durable.

@@ -78,6 +78,7 @@ class Generation:
     finish_reason: str  # "stop" | "length" | "tool_calls"
     stop_reason: str | int | None
     parsed: ParsedReply = field(default_factory=ParsedReply)
+    weight_version: str = ""  # the engine's weight version when it sampled this
 
     @property
     def logprobs(self) -> list[float]:
@@ -97,6 +98,9 @@ class Engine:
         self.policy: Policy = make_policy(settings.policy, settings.script_path)
         self.ground_truth = GroundTruthLog(settings.ground_truth_path)
         self.pace = Pace(settings.first_token_s, settings.token_s)
+        # Changed by a weight update (SGLang's /update_weight_version); every sequence is
+        # stamped with the version when it was sampled, and the ground truth records it.
+        self.weight_version = settings.weight_version
         self._calls = itertools.count()
         self._lock = threading.Lock()
 
@@ -202,6 +206,7 @@ class Engine:
             gen.parsed = parse_reply(gen.text, parse_tools=parse_tools)
             if gen.parsed.tool_calls:
                 gen.finish_reason = "tool_calls"
+            gen.weight_version = self.weight_version
             results.append(gen)
             self._record(request_id, prompt_ids, gen)
         return results
@@ -291,6 +296,7 @@ class Engine:
                 "content": gen.parsed.content,
                 "tool_calls": [call.as_openai() for call in gen.parsed.tool_calls],
                 "finish_reason": gen.finish_reason,
+                "weight_version": gen.weight_version,
                 "created": time.time(),
             }
         )

@@ -65,6 +65,8 @@ class EngineSettings:
     # An MoE: whole replies carry every position's routed experts (vLLM's and SGLang's
     # --enable-return-routed-experts; ``tokcap_devtools.engine.routing``).
     moe: MoeShape | None = None
+    # The weights' version at start (SGLang's --weight-version; "default" when unset there).
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:

@@ -101,7 +101,7 @@ def meta_info(
         "id": reply.rid,
         "finish_reason": finish_reason(tokenizer, gen) if done else None,
         "prompt_tokens": len(reply.prompt_ids),
-        "weight_version": WEIGHT_VERSION,
+        "weight_version": gen.weight_version,
         "completion_tokens": upto,
         "cached_tokens": 0,
     }
@@ -192,7 +192,7 @@ def chat_completion(tokenizer: EngineTokenizer, gens: list[Generation], reply: S
         "model": reply.model,
         "choices": [_chat_choice(tokenizer, gen, reply) for gen in gens],
         "usage": usage(len(reply.prompt_ids), completion, reasoning),
-        "metadata": {"weight_version": WEIGHT_VERSION},
+        "metadata": {"weight_version": gens[0].weight_version if gens else WEIGHT_VERSION},
     }
 
 

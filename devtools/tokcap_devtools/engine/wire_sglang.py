@@ -132,7 +132,7 @@ async def get_model_info(request: Request) -> dict:
         "tokenizer_path": engine.tokenizer.name_or_path,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": replies.WEIGHT_VERSION,
+        "weight_version": engine.weight_version,
     }
 
 
@@ -233,7 +233,22 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     return JSONBytesResponse(replies.generate(engine.tokenizer, gen, reply, text))
 
 
+async def update_weight_version(request: Request) -> Response:
+    """SGLang's ``POST /update_weight_version`` (``new_version``): calls sampled from now on
+    report it; a request already sampled keeps the version it was sampled under."""
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    version = body.get("new_version") if isinstance(body, dict) else None
+    if not isinstance(version, str) or not version:
+        return openai_error("new_version must be a non-empty string")
+    _engine(request).weight_version = version
+    return JSONBytesResponse({"success": True, "message": f"weight version set to {version}"})
+
+
 ROUTES = (
+    ("/update_weight_version", update_weight_version, "POST"),
     ("/health_generate", health_generate, "GET"),
     ("/v1/models", models, "GET"),
     ("/v1/chat/completions", chat_completions, "POST"),

@@ -1,0 +1,105 @@
+"""The policy version new calls are stamped with, as the trainer sets it.
+
+In asynchronous RL the weights change while harnesses run, and only the model server sees
+which weights served a call. Where the engine reports its version (SGLang's
+``meta_info.weight_version``, once set with ``--weight-version`` or
+``/update_weight_version``), the call carries that. Elsewhere the trainer tells the front
+end: ``PUT /tokcap/policy_version`` (``{"version": "12"}``; with ``auth_secret``, the secret
+and never a rollout's token) stores it in the capture store, and every front-end worker on
+that store follows it (at once for the worker that took the request, within
+``POLL_S`` for the others). A call is stamped with the version current when it was
+dispatched, so a call that started before an update keeps the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from api.generation import Generation, with_changes
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.25
+_VERSION = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
+
+
+class PolicyVersion:
+    """One worker's view of the trainer's version: what a call dispatched now runs under."""
+
+    def __init__(self, sink: Any) -> None:
+        self.current: str | None = None
+        self._sink = sink if callable(getattr(sink, "policy_version", None)) else None
+
+    @property
+    def shared(self) -> bool:
+        """Whether the version lives in the store (else only in this worker)."""
+        return self._sink is not None
+
+    async def set(self, version: str) -> None:
+        if self._sink is not None:
+            await self._sink.set_policy_version(version)
+        self.current = version
+
+    async def refresh(self) -> None:
+        if self._sink is not None:
+            self.current = await self._sink.policy_version()
+
+    async def follow(self) -> None:
+        """Read the store's version every ``POLL_S`` until cancelled; an outage keeps the
+        last version read (the calls' own capture notes the outage)."""
+        while self._sink is not None:
+            try:
+                await self.refresh()
+            except Exception as exc:  # the store's outage is the capture path's to report
+                log.debug("policy version not read: %s", exc)
+            await asyncio.sleep(POLL_S)
+
+
+def version_problem(body: Any) -> str | None:
+    """Why a ``PUT /tokcap/policy_version`` body names no version, or None."""
+    version = body.get("version") if isinstance(body, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool):
+        return None
+    if not isinstance(version, str) or not _VERSION.match(version):
+        return 'the body must be {"version": ...}: an integer or 1 to 128 printable characters'
+    return None
+
+
+async def policy_version_route(request: Request) -> Response:
+    """``GET`` names the version new calls are stamped with; ``PUT`` sets it."""
+    if "tokcap_rollout_id" in request.scope:  # a rollout's path: never the trainer's route
+        return JSONResponse({"error": "not found"}, status_code=404)
+    policy: PolicyVersion = request.app.state.policy
+    if request.method == "PUT":
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        problem = version_problem(body)
+        if problem is not None:
+            return JSONResponse({"error": problem}, status_code=400)
+        try:
+            await policy.set(str(body["version"]))
+        except Exception as exc:
+            return JSONResponse(
+                {"error": f"the store did not take it ({type(exc).__name__})"}, status_code=503
+            )
+    elif policy.shared:
+        with contextlib.suppress(Exception):
+            await policy.refresh()
+    return JSONResponse({"version": policy.current, "shared": policy.shared})
+
+
+def stamped(generation: Generation, dispatched_under: str | None) -> Generation:
+    """The generation with the version it ran under: the engine's own report wins over
+    the trainer's version at dispatch."""
+    if generation.policy_version is not None or dispatched_under is None:
+        return generation
+    return with_changes(generation, policy_version=dispatched_under)
