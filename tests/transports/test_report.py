@@ -22,11 +22,12 @@ import matplotlib.image
 import pytest
 import redis.asyncio as aioredis
 from redis.cluster import RedisCluster
+from rich.console import Console
 
 from capture.delivery import RolloutBuild
 from capture.summary import RolloutSummary
 from tokcap.commands import report as report_cli
-from tokcap.report.drawing import plot
+from tokcap.report.drawing import plot, render
 from tokcap.report.figures import (
     Figures,
     compute_figures,
@@ -373,3 +374,20 @@ def test_report_reads_every_shard_of_a_cluster(redis_cluster, redis_prefix: str)
     assert one.returncode == 2 and "has 3 shards with cluster names" in one.stderr
     bad = _report(*where, "--shards", "0")
     assert bad.returncode == 2 and "--shards must be within 1..1024" in bad.stderr
+
+
+def test_the_report_shows_the_policy_versions_rollouts_ran_under(capsys) -> None:
+    records = [
+        record("a", delivered(2, 1, 20, 20, policy_versions=["4"], policy_version_lag=1)),
+        record("b", delivered(3, 1, 30, 30, policy_versions=["4", "5"], policy_version_lag=1)),
+        record("c", delivered(2, 1, 20, 20, policy_versions=["5"], policy_version_lag=0)),
+        record("d", delivered(1, 1, 10, 10)),  # no versions known: not counted
+    ]
+    figures = compute_figures(records)
+    assert figures.policy_versions == {"4": 2, "5": 2}
+    assert figures.versions_spanned == {"1": 2, "2": 1}
+    assert figures.policy_version_lag == {"1": 2, "0": 1}
+    assert "policy_versions" not in figures.other_metrics
+    text = io.StringIO()
+    render(figures, Console(file=text, width=120))
+    assert "rollouts by policy version" in text.getvalue() and "version 5" in text.getvalue()

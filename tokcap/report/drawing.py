@@ -49,6 +49,9 @@ def sections(f: Figures) -> list[tuple[str, list[Row]]]:
         ),
         ("faithful fallbacks by reason", _rows(f.faithful_fallbacks, None, "fallback ")),
         ("segments by role", _rows(f.segments_by_role, None, "segments ")),
+        ("rollouts by policy version", _rows(f.policy_versions, None, "version ")),
+        ("rollouts by versions spanned", _rows(f.versions_spanned, None, "spanning ")),
+        ("rollouts by policy version lag", _rows(f.policy_version_lag, None, "lag ")),
     ]
     return [(title, section) for title, section in found if section]
 
@@ -91,6 +94,8 @@ def plot(figures: Figures, path: str) -> None:
     ]
     if figures.segments_by_role:
         panels.append(("segments by role", "segments", figures.segments_by_role))
+    if figures.policy_versions:
+        panels.append(("rollouts by policy version", "rollouts", figures.policy_versions))
     if figures.faithful_fallbacks:
         panels.append(("faithful fallbacks by reason", "calls", figures.faithful_fallbacks))
     rows = (len(panels) + 1) // 2

@@ -58,6 +58,11 @@ class Figures:
     faithful_fallbacks: dict[str, int] = field(default_factory=dict)
     rollouts_with_segments: int = 0
     segments_by_role: dict[str, int] = field(default_factory=dict)
+    # Rebuilt rollouts by each policy version their delivered calls ran under, and by how
+    # many versions they span; by the lag their consumer saw, where it named a version.
+    policy_versions: dict[str, int] = field(default_factory=dict)
+    versions_spanned: dict[str, int] = field(default_factory=dict)
+    policy_version_lag: dict[str, int] = field(default_factory=dict)
     other_metrics: dict[str, int] = field(default_factory=dict)  # unknown keys, by rollouts
     warnings: list[str] = field(default_factory=list)
 
@@ -149,6 +154,7 @@ def _tally_record(figures: Figures, record: dict[str, Any], reasons: Counter[str
     figures.tokens_captured += _int(metrics.get("generated_tokens_captured"))
     delivered = _int(metrics.get("generated_tokens_delivered"))
     figures.tokens_delivered += delivered
+    _tally_versions(figures, metrics)
     fallbacks = metrics.get("faithful_fallbacks")
     if isinstance(fallbacks, Mapping):
         _add(figures.faithful_fallbacks, {str(k): _int(v) for k, v in fallbacks.items()})
@@ -163,6 +169,17 @@ def _tally_record(figures: Figures, record: dict[str, Any], reasons: Counter[str
     fraction = _float(metrics.get("delivered_fraction"))
     figures.delivered_fraction[fraction_bin(fraction)] += 1
     figures.low_delivery += fraction < LOW_DELIVERY
+
+
+def _tally_versions(figures: Figures, metrics: Mapping[str, Any]) -> None:
+    versions = metrics.get("policy_versions")
+    if not isinstance(versions, list) or not versions:
+        return
+    _add(figures.policy_versions, Counter(str(version) for version in set(versions)))
+    _add(figures.versions_spanned, {str(len(set(versions))): 1})
+    lag = metrics.get("policy_version_lag")
+    if isinstance(lag, int) and not isinstance(lag, bool):
+        _add(figures.policy_version_lag, {str(lag): 1})
 
 
 def reason_group(reason: str) -> str:
