@@ -265,7 +265,12 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/ready", ready, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/tokcap/policy_version", policy_version_route, methods=["GET", "PUT"])
+    app.add_api_route(
+        "/tokcap/policy_version",
+        policy_version_route,
+        methods=["GET", "PUT"],
+        include_in_schema=False,
+    )
     for path, name, schema in MODEL_ROUTES:
         route = _model_route(DIALECTS[name])
         app.add_api_route(path, route, methods=["POST"], openapi_extra=_request_body(schema))

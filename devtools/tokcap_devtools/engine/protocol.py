@@ -23,7 +23,8 @@ class StreamOptions(OpenAIBase):
 class SamplingFields(OpenAIBase):
     model: str | None = None
     n: int | None = Field(default=1, ge=1, le=64)
-    seed: int | None = None
+    # vLLM bounds it to a torch long (protocol.py: ge=_LONG_INFO.min, le=_LONG_INFO.max).
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -38,7 +38,7 @@ class GenerateSamplingParams(OpenAIBase):
     top_k: int = Field(default=-1, ge=-1)  # -1 (or 1 << 30): every token
     stop: str | list[str] | None = None
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
 
     @property
     def stop_list(self) -> tuple[str, ...]:
