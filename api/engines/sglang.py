@@ -61,14 +61,19 @@ ROUTES_REQUEST: dict[str, Any] = {"return_routed_experts": True}
 
 
 def read_routes(response: Mapping[str, Any], moe: Any = None) -> Routes | None:
-    """The routes in ``meta_info.routed_experts`` (``/generate``'s, or the chat choice's),
-    base64 of a flat int32 array shaped by ``model_server.moe``; None when absent."""
+    """The routes in ``meta_info.routed_experts``: ``/generate``'s, or the chat choice's
+    (with ``return_meta_info``, as tokcap asks; without it SGLang 0.5.23 puts them in the
+    reply's ``sglext.routed_experts``, read too). Base64 of a flat int32 array, shaped by
+    ``model_server.moe``; None when absent."""
     meta = response.get("meta_info")
     if not isinstance(meta, Mapping):
         choices = response.get("choices")
         choice = choices[0] if isinstance(choices, list) and choices else {}
         meta = choice.get("meta_info") if isinstance(choice, Mapping) else None
     data = meta.get("routed_experts") if isinstance(meta, Mapping) else None
+    extension = response.get("sglext")
+    if data is None and isinstance(extension, Mapping):
+        data = extension.get("routed_experts")
     return flat_routes(data, moe)
 
 

@@ -21,6 +21,8 @@ import redis.asyncio as aioredis
 from capture.build.projection import project_chain
 from capture.codec.entries import decode_entries, encode_entry
 from capture.codec.views import IdView, json_default
+from capture.routes import Routes
+from capture.samples import training_samples
 from tests.support.rebuild import (
     assert_rebuilt,
     finished_record,
@@ -29,6 +31,7 @@ from tests.support.rebuild import (
     rollout_entries,
 )
 from tests.support.rollouts import growing_rollout
+from tests.support.routes import routes_for
 from tokcap.commands.inspect import inspect_rollout
 from transports.rebuild.jobs import (
     MalformedJobError,
@@ -46,6 +49,7 @@ from transports.rebuild.results import (
 )
 from transports.rebuild.settings import WorkerSettings
 from transports.rebuild.worker import RebuildWorker
+from transports.redis import RedisTokenStore
 from transports.redis.keys import stream_names
 
 
@@ -348,3 +352,41 @@ async def test_a_queue_refuses_a_second_shard_layout(
         _cli, "submit", "--url", redis_url, "--key-prefix", redis_prefix, str(path)
     )
     assert done.returncode == 2 and "has 2 shards, but this submitter was given 1" in done.stderr
+
+
+async def test_routes_and_versions_reach_the_trainer_through_the_worker(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """Each call's routes and policy version, stored in Redis, come out of the results
+    stream on the carriers and in training_samples, and the metrics name the versions and
+    the lag to the consumer's version the job record carries."""
+    entries = rollout_entries("moe-0", 6)
+    store = RedisTokenStore(url=redis_url, key_prefix=redis_prefix)
+    try:
+        for turn, entry in enumerate(entries):
+            entry.routed_experts = Routes.from_array(routes_for(entry.full_sequence))
+            entry.policy_version = "4" if turn < 3 else "5"
+            await store.put(entry)
+    finally:
+        await store.close()
+    jobs, results, _ = stream_names(redis_prefix)
+    worker, task = await run_worker_in_task(redis_url, redis_prefix)
+    record = finished_record("moe-0") | {"_ng_current_policy_version": 7}
+    async with RebuildQueue(url=redis_url, stream=jobs) as queue:
+        await queue.submit(record)
+    async with ResultsReader(
+        url=redis_url, stream=results, group="trainer", consumer="t1", block_ms=200
+    ) as reader:
+        [result] = await read_until(reader, 1)
+        await reader.ack(result)
+    worker.stop()
+    await asyncio.wait_for(task, 30)
+    assert result["mask_sample"] is False
+    metrics = result["_ng_token_capture"]
+    assert metrics["policy_versions"] == ["4", "5"] and metrics["policy_version_lag"] == 3
+    carriers = [i for i in result["response"]["output"] if "generation_token_ids" in i]
+    assert [c["routed_experts"] for c in carriers] == [e.routed_experts for e in entries]
+    assert [c["policy_version"] for c in carriers] == [e.policy_version for e in entries]
+    [sample] = training_samples(result)
+    assert (sample.routed_experts.to_numpy()[:-1] == routes_for(sample.input_ids)).all()
+    assert [version for *_, version in sample.policy_versions] == ["4"] * 3 + ["5"] * 3
