@@ -264,6 +264,10 @@ def _mask_reasons(
         detail = "; ".join(getattr(snapshot, "incomplete_reasons", ()) or ())
         reasons.append("incomplete capture" + (f": {detail}" if detail else ""))
     reasons.extend(build.mask_reasons)
+    routed = {entry.routed_experts is not None for entry in snapshot.entries}
+    if len(routed) > 1:
+        # Routes were turned on or off while the rollout ran: a replay would miss some.
+        reasons.append("routed experts captured for some calls only")
     if min_fraction is not None and build.delivered_fraction < min_fraction and not reasons:
         reasons.append(
             f"delivered fraction {build.delivered_fraction:.3f} is below "

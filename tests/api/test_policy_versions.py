@@ -56,18 +56,32 @@ def update_weights(wire: str, engine: str, front: str, version: str) -> None:
     assert reply.status_code == 200 and reply.json()["version"] == version
 
 
-@pytest.mark.parametrize(("wire", "stream"), [("vllm", True), ("vllm", False), ("sglang", False)])
+CASES = [
+    ("vllm", "text", True),
+    ("vllm", "text", False),
+    ("sglang", "text", False),
+    ("vllm", "faithful", True),
+    ("sglang", "faithful", True),
+]
+
+
+@pytest.mark.parametrize(("wire", "prompts", "stream"), CASES)
 def test_each_call_carries_the_version_that_sampled_it(
-    wire: str, stream: bool, tmp_path: Path
+    wire: str, prompts: str, stream: bool, tmp_path: Path
 ) -> None:
     store = tmp_path / "captures"
     script = write_script(tmp_path / "script.yaml")
+    engine_kw: dict[str, Any] = {"wire": wire, "script_path": script}
+    front_kw: dict[str, Any] = {}
+    if prompts == "faithful":
+        engine_kw["tokenizer_path"] = "qwen3"
+        front_kw = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
     with (
-        engine_server(wire=wire, script_path=script) as engine,
-        front_end(settings(engine, store)) as front,
+        engine_server(**engine_kw) as engine,
+        front_end(settings(engine, store, **front_kw)) as front,
     ):
         update_weights(wire, engine, front, "7")
-        rollout = Rollout(f"versions-{wire}-{stream}", 4)
+        rollout = Rollout(f"versions-{wire}-{prompts}-{stream}", 4)
 
         async def before_turn(_: Rollout, turn: int) -> None:
             if turn == 2:

@@ -12,9 +12,11 @@ import pytest
 from capture.build.projection import project_call
 from capture.codec.entries import decode_entries, encode_entry
 from capture.codec.views import json_default
+from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
 from capture.routes import Routes, routes_from_flat, routes_from_npy, routes_problem
+from capture.samples import training_samples
 from tests.support.routes import EXPERTS, LAYERS, TOP_K, rollout, routes_for
 from transports.rebuild.results import decode_result, encode_result
 
@@ -130,3 +132,21 @@ def test_the_results_stream_carries_routes_once_and_gives_them_back_exactly() ->
     carriers = [i for i in back["response"]["output"] if "generation_token_ids" in i]
     assert carriers[5]["routed_experts"] == changed
     assert carriers[6]["routed_experts"] == entries[6].routed_experts
+
+
+async def test_a_rollout_with_routes_for_some_calls_only_is_masked(tmp_path) -> None:
+    """Routes turned on while a rollout ran: no sample may replay routes that are missing
+    for part of it."""
+    store = FileTokenStore(tmp_path / "captures")
+    entries = rollout(3)
+    entries[0] = entries[0].model_copy(update={"routed_experts": None})
+    for entry in entries:
+        await store.put(entry)
+    last = entries[-1].output_items or [{"type": "message", "role": "assistant", "content": []}]
+    record = {"_ng_rollout_id": "r", "response": {"output": last}}
+    built = await finalize_rollout_token_capture(record, store)
+    await store.close()
+    assert (
+        built.masked and "routed experts captured for some calls only" in built.summary.mask_reasons
+    )
+    assert training_samples(record) == []
