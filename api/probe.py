@@ -6,7 +6,8 @@ log-probs (before temperature) while ``sampling_overrides`` samples at another t
 the trainer's importance ratios would then compare against a distribution that was never
 sampled from. Raw log-probs are told apart with two one-token calls on the same prompt, at
 temperature 1 and at the override's: the alternatives' log-probs at the first position
-differ only if the engine applies the temperature to them. It warns, naming them, about the
+differ only if the engine applies the temperature to them. With ``routed_experts`` on it refuses an engine that returns no
+routes, or routes of another shape than ``model_server.moe``. It warns, naming them, about the
 sampling keys an engine's generation config may set (vLLM ``--generation-config auto``,
 SGLang ``--sampling-defaults model``) that ``sampling_overrides`` does not pin. With faithful
 prompts it also makes one token-in call, and refuses an engine that does not take it or
@@ -37,6 +38,11 @@ HINTS = {
     "logprobs": {
         "vllm": "vLLM must allow log-probs (--max-logprobs >= 1)",
         "sglang": "SGLang must return log-probs (return_logprob; do not disable it)",
+    },
+    "routes": {
+        "vllm": "start vLLM with --enable-return-routed-experts, or turn routed_experts off",
+        "sglang": "start SGLang with --enable-return-routed-experts and give model_server.moe "
+        "(layers, top_k), or turn routed_experts off",
     },
     "raw": {
         "vllm": "start vLLM with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)",
@@ -71,6 +77,8 @@ def _refusal(problem: str, family: str) -> str:
     """The refusal message of an ids problem, with the setting that fixes it."""
     about_ids = "token_ids" in problem or "prompt" in problem
     kind = "logprobs" if "log-prob" in problem and not about_ids else "ids"
+    if "routed_experts" in problem or "model_server.moe" in problem:
+        kind = "routes"
     return f"the engine's reply cannot be captured ({problem}): {_hint(kind, family)}"
 
 

@@ -20,6 +20,7 @@ import httpx
 import numpy
 import pytest
 
+from api.probe import EngineRefused, probe
 from api.settings import ServerSettings
 from capture.codec.views import json_default
 from capture.config import TokenIdCaptureConfig
@@ -142,3 +143,18 @@ def test_routes_of_another_shape_are_refused(
     snapshot = freeze(store, rollout.rollout_id)
     assert snapshot.incomplete and not snapshot.entries
     assert "model_server.moe says 7 x 4" in caplog.text
+
+
+@pytest.mark.parametrize("wire", ["vllm", "sglang"])
+def test_the_probe_refuses_an_engine_without_routes_and_accepts_one_with(
+    wire: str, tmp_path: Path
+) -> None:
+    moe = {"layers": MOE.layers, "top_k": MOE.top_k, "experts": MOE.experts}
+    with engine_server(wire=wire) as engine:
+        with pytest.raises(EngineRefused, match="--enable-return-routed-experts"):
+            asyncio.run(probe(settings(engine, tmp_path, "text", routed_experts=True, moe=moe)))
+    with engine_server(wire=wire, moe=MOE) as engine:
+        report = asyncio.run(
+            probe(settings(engine, tmp_path, "text", routed_experts=True, moe=moe))
+        )
+        assert report.family == wire
