@@ -45,15 +45,14 @@ def settings(upstream: str, store: Path, **server: Any) -> ServerSettings:
 
 
 def update_weights(wire: str, engine: str, front: str, version: str) -> None:
-    """What a trainer does after a weight update: SGLang is told, and reports it itself;
-    for vLLM the front end is told (and the engine's ground truth, which records it)."""
-    if wire == "sglang":
-        reply = httpx.post(engine + "/update_weight_version", json={"new_version": version})
-        assert reply.json()["success"]
-        return
-    httpx.post(engine + "/tokcap/weight_version", json={"version": version}).raise_for_status()
-    reply = httpx.put(front + "/tokcap/policy_version", json={"version": version})
-    assert reply.status_code == 200 and reply.json()["version"] == version
+    """What a trainer does after a weight update: the engine is told its version (both
+    engines' ``/update_weight_version``). SGLang reports it in each reply; vLLM's chat and
+    completions replies do not, so the front end is told too."""
+    reply = httpx.post(engine + "/update_weight_version", json={"new_version": version})
+    assert reply.json()["success"]
+    if wire == "vllm":
+        reply = httpx.put(front + "/tokcap/policy_version", json={"version": version})
+        assert reply.status_code == 200 and reply.json()["version"] == version
 
 
 CASES = [

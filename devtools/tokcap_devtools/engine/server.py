@@ -43,15 +43,6 @@ async def pace_counts(request: Request) -> dict[str, int]:
     return _engine(request).pace.counts()
 
 
-async def set_weight_version(request: Request) -> dict[str, str]:
-    """A weight update as a test stages it on either wire (``{"version": ...}``): what the
-    ground truth stamps sequences sampled from now on with. SGLang's own route for it is
-    ``/update_weight_version``; vLLM has none."""
-    body = await request.json()
-    _engine(request).weight_version = str(body["version"])
-    return {"version": _engine(request).weight_version}
-
-
 async def aborted(request: Request) -> list[dict]:
     """The requests whose client left while the paced engine was answering them."""
     return list(_engine(request).pace.aborted)
@@ -63,7 +54,6 @@ GROUND_TRUTH_ROUTES = (
     ("/tokcap/ground_truth", clear_ground_truth, "DELETE"),
     ("/tokcap/aborted", aborted, "GET"),
     ("/tokcap/pace", pace_counts, "GET"),
-    ("/tokcap/weight_version", set_weight_version, "POST"),
 )
 
 

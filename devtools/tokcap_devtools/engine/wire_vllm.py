@@ -212,7 +212,28 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
     return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
 
+async def update_weight_version(request: Request) -> Response:
+    """vLLM 0.32's ``POST /update_weight_version`` (``new_version``; its RL routes, served
+    with ``VLLM_SERVER_DEV_MODE=1``): sequences sampled from now on have that version. Its
+    chat and completions replies do not report it; ``GET /weight_info`` does."""
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    version = body.get("new_version") if isinstance(body, dict) else None
+    if not isinstance(version, str) or not version:
+        return error_response("new_version must be a non-empty string")
+    _engine(request).weight_version = version
+    return JSONBytesResponse({"success": True, "new_version": version})
+
+
+async def weight_info(request: Request) -> dict:
+    return {"weight_version": _engine(request).weight_version}
+
+
 ROUTES = (
+    ("/update_weight_version", update_weight_version, "POST"),
+    ("/weight_info", weight_info, "GET"),
     ("/version", version, "GET"),
     ("/v1/models", models, "GET"),
     ("/v1/chat/completions", chat_completions, "POST"),
