@@ -19,6 +19,10 @@ The words every package uses, one per concept:
   ``tokcap_devtools.engine``) is the test stand-in for one.
 - store: what keeps entries, a sink and a source in one: ``FileTokenStore`` (node-local
   files) or ``RedisTokenStore`` (``transports.redis``).
+- routes: a call's MoE routed experts (``routed_experts`` on the wire and the entry,
+  ``capture.routes.Routes`` in code), one row per position the model read.
+- policy version: the weights' version a call ran under (``policy_version``); an engine
+  calls it its weight version.
 - chain: calls whose prompts extend each other; the main chain is delivered, each other
   chain is reported, or delivered as a ``segment`` (``delivery: segments``).
 """
@@ -53,6 +57,7 @@ _EXPORTS = {
     "begin_call": "capture.context",
     "entry_from_response": "capture.extract",
     "IdView": "capture.codec.views",
+    "Routes": "capture.routes",
     "json_default": "capture.codec.views",
 }
 
