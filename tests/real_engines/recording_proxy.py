@@ -6,7 +6,7 @@ sampled sequence in the ground truth's shape: the prompt ids, the generated ids 
 log-probs, as the engine sent them (vLLM chat: ``token_ids`` and ``logprobs.content``;
 completions: ``token_logprobs``; SGLang chat: ``response_token_ids``; its ``/generate``:
 ``output_ids`` and ``meta_info.output_token_logprobs``, the prompt being the request's
-``input_ids``). On its way to SGLang each sampling request gets the scripted-turns processor
+``input_ids``), and SGLang's routed experts where it sent them (``meta_info``). On its way to SGLang each sampling request gets the scripted-turns processor
 (``sglang_turns``), which SGLang takes per request; the front end never sends one.
 """
 
@@ -41,18 +41,21 @@ def _log_probs(choice: dict[str, Any]) -> list[float]:
 
 def sampled_sequence(chunks: list[dict[str, Any]], request: dict[str, Any]) -> dict[str, Any]:
     """One reply (a whole body, or a stream's chunks in order) as what was sampled."""
-    prompt, ids, log_probs = None, [], []
+    prompt, ids, log_probs, routes = None, [], [], None
     for chunk in chunks:
         if "output_ids" in chunk:  # SGLang's /generate
             triples = chunk["meta_info"]["output_token_logprobs"]
             prompt, ids = request["input_ids"], chunk["output_ids"]
             log_probs = [triple[0] for triple in triples]
+            routes = chunk["meta_info"].get("routed_experts")
         prompt = chunk.get("prompt_token_ids") or prompt
         for choice in chunk.get("choices") or []:
             prompt = choice.get("prompt_token_ids") or prompt
             ids += choice.get("token_ids") or choice.get("response_token_ids") or []
             log_probs += _log_probs(choice)
-    return {"prompt_token_ids": prompt, "token_ids": ids, "logprobs": log_probs}
+            routes = (choice.get("meta_info") or {}).get("routed_experts") or routes
+    sequence = {"prompt_token_ids": prompt, "token_ids": ids, "logprobs": log_probs}
+    return sequence | ({"routed_experts": routes} if routes is not None else {})
 
 
 def with_processor(path: str, body: dict[str, Any]) -> dict[str, Any]:

