@@ -42,8 +42,10 @@ class TokenEntry(BaseModel):
     prompt_token_ids: list[int]
     generation_token_ids: list[int]
     generation_log_probs: list[float]
-    # MoE routes (capture.routes.Routes), one row per position the model read; opt-in.
-    routed_experts: Routes | None = None
+    # MoE routes, one row per position the model read (``capture.routes.Routes``; opt-in).
+    # A value that is no ``[positions, layers, top_k]`` array is kept as it came (the
+    # contract's "any"), but stored and delivered whole.
+    routed_experts: Any | None = None
     # The policy version the call ran under: the engine's report, else the version the
     # trainer had set at the front end when the call was dispatched (None: neither).
     policy_version: str | None = None
@@ -79,12 +81,17 @@ class TokenEntry(BaseModel):
 
     @field_validator("routed_experts", mode="before")
     @classmethod
-    def _routes(cls, value: Any) -> Routes | None:
-        return None if value is None else Routes.coerce(value)
+    def _routes(cls, value: Any) -> Any:
+        if value is None or isinstance(value, Routes):
+            return value
+        try:
+            return Routes.coerce(value)
+        except (ValueError, TypeError):
+            return value
 
     @field_serializer("routed_experts")
-    def _routes_as_wire(self, value: Routes | None) -> dict[str, Any] | None:
-        return None if value is None else value.wire()
+    def _routes_as_wire(self, value: Any) -> Any:
+        return value.wire() if isinstance(value, Routes) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> TokenEntry:

@@ -123,8 +123,12 @@ class Routes:
         return int(self.to_numpy().max()) if self.rows else -1
 
     def __eq__(self, other: object) -> bool:
+        """Equal to routes, or to any array or wire object of the same experts."""
         if not isinstance(other, Routes):
-            return NotImplemented
+            try:
+                other = Routes.coerce(other)
+            except (ValueError, TypeError):
+                return NotImplemented
         return self.shape == other.shape and self.to_bytes() == other.to_bytes()
 
     def __hash__(self) -> int:

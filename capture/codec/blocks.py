@@ -167,8 +167,10 @@ def chain_names(
     return names[::-1]
 
 
-def block_ids(name: str, blocks: Mapping[str, bytes], cache: dict[Any, Any]) -> bytes:
-    """A block's packed ids, following extensions iteratively; ``cache`` keeps resolved ones."""
+def block_ids(name: str, blocks: Mapping[str, bytes], cache: dict[Any, Any]) -> bytes | memoryview:
+    """A block's packed ids (or routes), following extensions iteratively; ``cache`` keeps
+    resolved ones. A whole block is a view of its stored bytes, not a copy: a long
+    rollout's blocks are read once, and its routes are most of its bytes."""
     pending = [name]
     while pending:
         current = pending[-1]
@@ -179,13 +181,13 @@ def block_ids(name: str, blocks: Mapping[str, bytes], cache: dict[Any, Any]) -> 
         if stored is None:
             raise ValueError(f"prompt block {current} of a stored entry is missing")
         if stored[:1] == _WHOLE:
-            cache[current] = stored[_HEAD:]
+            cache[current] = memoryview(stored)[_HEAD:]
             pending.pop()
             continue
         base = stored[_HEAD : _HEAD + DIGEST_BYTES].hex()
         if base not in cache:
             pending.append(base)
             continue
-        cache[current] = cache[base] + stored[_HEAD + DIGEST_BYTES :]
+        cache[current] = b"".join((cache[base], memoryview(stored)[_HEAD + DIGEST_BYTES :]))
         pending.pop()
     return cache[name]

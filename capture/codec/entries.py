@@ -55,9 +55,7 @@ CODEC_VERSION = 2
 # A packed-id prompt's remembered prefix: its own bytes, then the generation's.
 _Parts = tuple[memoryview, memoryview]
 # Fields the body and blocks store in packed form instead of as msgpack lists.
-_PACKED = frozenset(
-    {"prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts"}
-)
+_PACKED = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 # Set at capture; a retried put of the same call may carry another timestamp.
 _NOT_PAYLOAD = ("created_at",)
 
@@ -214,7 +212,9 @@ def encode_entry(
         memo.remember(entry.rollout_id, (prompt, generation_bytes), chain, block_size, head)
     generated = len(generation)
     log_probs = pack_floats(entry.generation_log_probs)
-    fields = entry.model_dump(exclude=_PACKED)  # extras kept; the id lists are not copied
+    routed = entry.routed_experts if isinstance(entry.routed_experts, Routes) else None
+    # Extras kept; the id lists are not copied, and routes go into blocks of their own.
+    fields = entry.model_dump(exclude=_PACKED | ({"routed_experts"} if routed else set()))
     data = {
         "codec": CODEC_VERSION,
         "fields": fields,
@@ -225,8 +225,8 @@ def encode_entry(
         "log_probs": log_probs,
     }
     routes: list[Block] = []
-    if entry.routed_experts is not None:
-        routes, data["routes"] = cut_routes(entry.routed_experts, block_size)
+    if routed is not None:
+        routes, data["routes"] = cut_routes(routed, block_size)
     body = msgpack.packb(data, use_bin_type=True)
     # The sequence enters the digest through its chain tip at the default block size, not
     # the store's, so writers with any block size agree; at the default size (the usual
@@ -239,8 +239,9 @@ def encode_entry(
     hasher.update(canonical[-1].name.encode() if canonical else b"-")
     hasher.update(log_probs)
     hasher.update(_canonical_rest(fields))
-    if entry.routed_experts is not None:
-        hasher.update(_routes_digest(entry.routed_experts, routes, block_size))
+    if routed is not None:
+        hasher.update(_routes_digest(routed, routes, block_size))
+    row_bytes = routed.row_bytes if routed is not None else 0
     return EncodedEntry(
         entry.model_call_id,
         body,
@@ -248,7 +249,7 @@ def encode_entry(
         hasher.hexdigest(),
         block_size,
         tuple(routes),
-        entry.routed_experts.row_bytes if entry.routed_experts is not None else 0,
+        row_bytes,
     )
 
 

@@ -66,7 +66,7 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
         shared = _shared_prefix(prompt, previous)
         if shared:
             out = {**item, _PREFIX_MARK: shared, "prompt_token_ids": prompt[shared:]}
-        if item.get(ROUTES_KEY) is not None:
+        if isinstance(item.get(ROUTES_KEY), Routes):
             out, routes = _compact_routes(out, routes)
         compacted.append(out)
         generation = item.get("generation_token_ids")
@@ -77,7 +77,7 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
 def _compact_routes(item: dict[str, Any], before: Routes | None) -> tuple[dict[str, Any], Routes]:
     """The item with its routes packed, only the rows after ``before``'s where they
     continue them; and its routes, for the next item."""
-    routes = Routes.coerce(item[ROUTES_KEY])
+    routes: Routes = item[ROUTES_KEY]
     shared = routes.shared_rows(before) if before is not None else 0
     out = {**item, ROUTES_KEY: routes.rows_from(shared).packed()}
     if shared:
@@ -116,7 +116,8 @@ def expand_record(record: dict[str, Any]) -> dict[str, Any]:
     sequence: list[int] = []
     routes: Routes | None = None
     for item in items:
-        if isinstance(item, dict) and isinstance(item.get(ROUTES_KEY), Mapping):
+        packed = item.get(ROUTES_KEY) if isinstance(item, dict) else None
+        if isinstance(packed, Mapping) and "bytes" in packed:
             routes = _expand_routes(item, routes)
         if not isinstance(item, dict) or not isinstance(item.get("prompt_token_ids"), list):
             continue
