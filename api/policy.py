@@ -7,7 +7,9 @@ which weights served a call. Where the engine reports its version (SGLang's
 end: ``PUT /tokcap/policy_version`` (``{"version": "12"}``; with ``auth_secret``, the secret
 and never a rollout's token) stores it in the capture store, and every front-end worker on
 that store follows it (at once for the worker that took the request, within
-``POLL_S`` for the others). A call is stamped with the version current when it was
+``POLL_S`` for the others). Without ``auth_secret`` anyone who reaches the front end may set
+it, as anyone may call its model routes. It outlives the run that set it: a trainer sets it
+when it starts. A call is stamped with the version current when it was
 dispatched, so a call that started before an update keeps the old one.
 """
 
@@ -23,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from api.generation import Generation, with_changes
+from api.limits import BodyError, parse_json_object
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class PolicyVersion:
 def version_problem(body: Any) -> str | None:
     """Why a ``PUT /tokcap/policy_version`` body names no version, or None."""
     version = body.get("version") if isinstance(body, dict) else None
-    if isinstance(version, int) and not isinstance(version, bool):
+    if isinstance(version, int) and not isinstance(version, bool) and abs(version) < 2**63:
         return None
     if not isinstance(version, str) or not _VERSION.match(version):
         return 'the body must be {"version": ...}: an integer or 1 to 128 printable characters'
@@ -79,9 +82,9 @@ async def policy_version_route(request: Request) -> Response:
     policy: PolicyVersion = request.app.state.policy
     if request.method == "PUT":
         try:
-            body = await request.json()
-        except ValueError:
-            body = None
+            body: Any = parse_json_object(await request.body())
+        except BodyError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
         problem = version_problem(body)
         if problem is not None:
             return JSONResponse({"error": problem}, status_code=400)

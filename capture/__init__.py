@@ -41,6 +41,7 @@ _EXPORTS = {
     "TokenSink": "capture.protocols",
     "TokenSource": "capture.protocols",
     "FileTokenStore": "capture.filestore.store",
+    "TokenCaptureStore": "capture.filestore.store",  # FileTokenStore's name before
     "TokenIdCaptureConfig": "capture.config",
     "rollout_id_from_run_body": "capture.rollout_ids",
     "validate_rollout_id": "capture.rollout_ids",

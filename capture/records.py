@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from capture.errors import SchemaVersionError
-from capture.routes import Routes
+from capture.routes import Routes, as_routes
 
 SCHEMA_VERSION = 1
 
@@ -43,8 +43,8 @@ class TokenEntry(BaseModel):
     generation_token_ids: list[int]
     generation_log_probs: list[float]
     # MoE routes, one row per position the model read (``capture.routes.Routes``; opt-in).
-    # A value that is no ``[positions, layers, top_k]`` array is kept as it came (the
-    # contract's "any"), but stored and delivered whole.
+    # Anything else a sink is handed (the contract's "any": a Gym server's own form) is kept
+    # as it came, stored and delivered whole.
     routed_experts: Any | None = None
     # The policy version the call ran under: the engine's report, else the version the
     # trainer had set at the front end when the call was dispatched (None: neither).
@@ -82,12 +82,9 @@ class TokenEntry(BaseModel):
     @field_validator("routed_experts", mode="before")
     @classmethod
     def _routes(cls, value: Any) -> Any:
-        if value is None or isinstance(value, Routes):
-            return value
-        try:
-            return Routes.coerce(value)
-        except (ValueError, TypeError):
-            return value
+        """Routes from their wire object (a record read back); anything else as it came."""
+        routes = as_routes(value)
+        return routes if routes is not None else value
 
     @field_serializer("routed_experts")
     def _routes_as_wire(self, value: Any) -> Any:

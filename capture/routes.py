@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy
@@ -131,8 +131,12 @@ class Routes:
                 return NotImplemented
         return self.shape == other.shape and self.to_bytes() == other.to_bytes()
 
-    def __hash__(self) -> int:
-        return hash((self.shape, self.to_bytes()))
+    __hash__ = None  # equal to arrays and wire objects, which hash otherwise (or not at all)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (and deep-copied) as its rows' bytes: its parts may be views of a
+        decoded snapshot's blocks, which do not pickle."""
+        return (Routes, ((self.to_bytes(),), self.rows, self.layers, self.top_k))
 
     def __repr__(self) -> str:
         return f"Routes(shape={list(self.shape)})"
@@ -172,6 +176,27 @@ class Routes:
         return cls.from_array(numpy.frombuffer(raw, dtype).reshape(shape))
 
 
+def as_routes(value: Any) -> Routes | None:
+    """Routes, or their wire object read back from JSON; None for any other form."""
+    if isinstance(value, Routes):
+        return value
+    if isinstance(value, Mapping) and value.get("encoding") == "base64":
+        try:
+            return Routes.from_wire(value)
+        except (ValueError, TypeError):
+            return None
+    return None
+
+
+def routes_differ(routes: Iterable[Any]) -> int:
+    """How many of a chain's routes are not a prefix of its last call's."""
+    found = [found for found in map(as_routes, routes) if found is not None]
+    if len(found) < 2:
+        return 0
+    last = found[-1]
+    return sum(1 for value in found[:-1] if last.shared_rows(value) != value.rows)
+
+
 def decode_base64(data: Any) -> bytes:
     if not isinstance(data, str):
         raise ValueError("routes data must be a base64 string")
@@ -183,10 +208,13 @@ def decode_base64(data: Any) -> bytes:
 
 def routes_from_npy(data: str) -> Routes:
     """vLLM's form (0.32, ``choices[i].routed_experts``): a base64 ``.npy`` file."""
+    raw = decode_base64(data)
     try:
-        array = numpy.load(io.BytesIO(decode_base64(data)), allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"routed_experts is not a .npy array: {exc}") from None
+        array = numpy.load(io.BytesIO(raw), allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - numpy raises EOFError, BadZipFile, MemoryError...
+        raise ValueError(f"routed_experts is not a .npy array ({type(exc).__name__})") from None
+    if not isinstance(array, numpy.ndarray):
+        raise ValueError("routed_experts is not a .npy array")
     return Routes.from_array(array)
 
 

@@ -8,7 +8,10 @@ samples, nor has one never rebuilt, unless it carried its own token ids.
 
 Where routes were captured, ``routed_experts`` has one row per position of ``input_ids``:
 the routes the last call of the sample was served with (they cover every position it read;
-the last position, which no call read, is zeros). ``.to_numpy()`` makes it a
+the last position, which no call read, is zeros). Where an earlier call was routed
+differently on the prefix they share (``routes_differing_calls`` in the metrics), no one row
+per position is every call's: ``routed_experts`` is None, and each carrier item still holds
+its own call's routes. ``.to_numpy()`` makes it a
 ``[len(input_ids), layers, top_k]`` array. Where calls carry policy versions,
 ``policy_versions`` names each call's sampled span and its version.
 """
@@ -22,7 +25,7 @@ from typing import Any
 from capture.build.projection import carriers, flat_sequence
 from capture.build.segments import SEGMENTS_KEY
 from capture.delivery import MASK_KEY, METRICS_KEY, carries_token_ids
-from capture.routes import Routes
+from capture.routes import Routes, as_routes, routes_differ
 
 MAIN_ROLE = "main"
 
@@ -73,12 +76,11 @@ def sample_routes(items: Iterable[Any], length: int) -> Routes | None:
     found = carriers(items)
     if not found or any(item.get("routed_experts") is None for item in found):
         return None
-    try:
-        last = Routes.coerce(found[-1]["routed_experts"])
-    except (ValueError, TypeError):  # routes of a shape tokcap does not know: not aligned
-        return None
-    if last.rows != length - 1:
-        raise ValueError(f"the last call's routes have {last.rows} rows for {length} positions")
+    last = as_routes(found[-1]["routed_experts"])
+    if last is None or last.rows != length - 1:
+        return None  # another engine's form, or not a row per position read: not aligned
+    if routes_differ(item["routed_experts"] for item in found):
+        return None  # one row per position would replay some call's prefix as it was not
     return Routes((last.to_bytes(), bytes(last.row_bytes)), length, last.layers, last.top_k)
 
 

@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from capture.routes import routes_differ
+
 if TYPE_CHECKING:
     from capture.build.builder import BuildResult
 
@@ -44,6 +46,8 @@ class RolloutSummary:
     # many versions the oldest lags the one the consumer named (integer versions only).
     policy_versions: list[str] = field(default_factory=list)
     policy_version_lag: int | None = None
+    # Main-chain calls routed differently from the last call on the prefix they share.
+    routes_differing_calls: int = 0
     capture_incomplete: bool | None = None  # None: no snapshot was read
     mask_reasons: list[str] = field(default_factory=list)  # empty: delivered unmasked
     error: str | None = None  # a failed build's error
@@ -81,6 +85,7 @@ class RolloutSummary:
             missing_start_roots=len(build.missing_start_roots),
             policy_versions=versions,
             policy_version_lag=version_lag(versions, current_policy_version),
+            routes_differing_calls=routes_differ(e.routed_experts for e in build.main_entries),
             capture_incomplete=capture_incomplete,
             mask_reasons=list(mask_reasons),
         )

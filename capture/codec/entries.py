@@ -51,7 +51,10 @@ from capture.routes import Routes
 # 250 ids: a whole stored block (kind byte, 16-byte parent digest, 1,000 bytes of ids, and
 # Redis's 6-byte string header) fits jemalloc's 1 KiB size class, where 256 would take 1,280.
 DEFAULT_BLOCK_SIZE = 250
-CODEC_VERSION = 2
+CODEC_VERSION = 3
+# A body without routes is still codec 2, so a reader before routes reads it; one with
+# routes is codec 3, which such a reader refuses rather than dropping the routes.
+CODEC_WITHOUT_ROUTES = 2
 # A packed-id prompt's remembered prefix: its own bytes, then the generation's.
 _Parts = tuple[memoryview, memoryview]
 # Fields the body and blocks store in packed form instead of as msgpack lists.
@@ -216,7 +219,7 @@ def encode_entry(
     # Extras kept; the id lists are not copied, and routes go into blocks of their own.
     fields = entry.model_dump(exclude=_PACKED | ({"routed_experts"} if routed else set()))
     data = {
-        "codec": CODEC_VERSION,
+        "codec": CODEC_VERSION if routed is not None else CODEC_WITHOUT_ROUTES,
         "fields": fields,
         "prompt_len": prompt_len,
         "generated": generated,

@@ -434,3 +434,7 @@ class FileTokenStore:
                 except ValueError:
                     continue
         return sorted(names)
+
+
+# The file store's name before it was FileTokenStore (issue 24), for callers that import it.
+TokenCaptureStore = FileTokenStore

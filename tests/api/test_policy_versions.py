@@ -202,5 +202,13 @@ def test_only_the_trainer_may_set_the_version(tmp_path: Path) -> None:
                 assert reply.status_code == 400, bad
                 assert SECRET not in reply.text
             assert httpx.put(path, content=b"{", headers=key).status_code == 400
+            deep = b'{"version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            assert httpx.put(path, content=deep, headers=key).status_code == 400
+            assert (
+                httpx.put(
+                    path, content=b'{"version": 1' + b"0" * 4000 + b"}", headers=key
+                ).status_code
+                == 400
+            )
             assert httpx.put(path, json={"version": "1"}, headers=key).json()["version"] == "1"
             assert httpx.get(path, headers=key).json()["version"] == "1"

@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import base64
+import copy
 import io
 import json
+import pickle
 
 import numpy
 import pytest
 
+from capture.build.builder import run_builder
 from capture.build.projection import project_call
-from capture.codec.entries import decode_entries, encode_entry
+from capture.codec.entries import decode_entries, encode_entry, read_body
 from capture.codec.views import json_default
 from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import FileTokenStore
 from capture.records import TokenEntry
-from capture.routes import Routes, routes_from_flat, routes_from_npy, routes_problem
+from capture.routes import (
+    Routes,
+    routes_differ,
+    routes_from_flat,
+    routes_from_npy,
+    routes_problem,
+)
 from capture.samples import training_samples
 from tests.support.routes import EXPERTS, LAYERS, TOP_K, rollout, routes_for
 from transports.rebuild.results import decode_result, encode_result
@@ -150,3 +159,64 @@ async def test_a_rollout_with_routes_for_some_calls_only_is_masked(tmp_path) -> 
         built.masked and "routed experts captured for some calls only" in built.summary.mask_reasons
     )
     assert training_samples(record) == []
+
+
+def test_decoded_routes_pickle_and_copy_as_their_rows() -> None:
+    """A decoded rollout's routes are views of its blocks; a record that holds them still
+    pickles and deep-copies (a trainer may ship it to another process)."""
+    entries = rollout(4)
+    encoded = [encode_entry(entry, block_size=16) for entry in entries]
+    stored: dict[str, bytes] = {}
+    for item in encoded:
+        stored.update(item.plan(stored.keys(), {}).blocks)
+    decoded = decode_entries([item.body for item in encoded], stored, trusted=True, shared=True)
+    routes = decoded[-1].routed_experts
+    assert any(isinstance(part, memoryview) for part in routes.parts)
+    assert pickle.loads(pickle.dumps(routes)) == routes == copy.deepcopy(routes)
+    assert pickle.loads(pickle.dumps(decoded[-1])).routed_experts == entries[-1].routed_experts
+    with pytest.raises(TypeError):
+        hash(routes)  # equal to arrays, which do not hash alike
+
+
+def test_a_body_names_codec_3_only_when_it_holds_routes() -> None:
+    """A reader from before routes reads a routeless body, and refuses one with routes
+    instead of delivering it without them."""
+    with_routes = rollout(1)[0]
+    without = with_routes.model_copy(update={"routed_experts": None})
+    assert read_body(encode_entry(with_routes).body)["codec"] == 3
+    assert read_body(encode_entry(without).body)["codec"] == 2
+
+
+def test_unreadable_npy_routes_are_a_value_error() -> None:
+    for raw in (b"", b"PK\x03\x04 not a zip", b"\x93NUMPY garbage"):
+        with pytest.raises(ValueError, match="not a .npy"):
+            routes_from_npy(base64.b64encode(raw).decode())
+
+
+def test_a_sample_has_no_routes_where_calls_disagree_on_their_prefix() -> None:
+    """Each carrier keeps its call's own routes; one row per position would replay an
+    earlier call's prefix as it was not routed, so the sample has none, and the metrics
+    count the call."""
+    entries = rollout(3)
+    changed = entries[0].routed_experts.to_numpy().copy()
+    changed[0, 0, 0] = (changed[0, 0, 0] + 1) % EXPERTS
+    entries[0] = entries[0].model_copy(update={"routed_experts": Routes.from_array(changed)})
+    build = run_builder(entries)
+    record = {"_ng_rollout_id": "r", "response": {"output": list(build.output)}}
+    [sample] = training_samples(record | {"_ng_token_capture": {}})
+    assert sample.routed_experts is None
+    assert routes_differ(e.routed_experts for e in entries) == 1
+    assert routes_differ(e.routed_experts for e in rollout(3)) == 0
+
+
+def test_segments_carry_their_routes_once_on_the_results_stream() -> None:
+    entries = rollout(12)
+    segment = {"role": "sub-agent", "output": [i for e in entries for i in project_call(e)]}
+    record = {"_ng_rollout_id": "r", "response": {"output": []}, "_ng_token_segments": [segment]}
+    fields = encode_result(record, rollout_id="r", version=1)
+    last = entries[-1].routed_experts
+    assert len(fields["record"]) < last.rows * last.row_bytes + 12 * len(entries[-1].full_sequence)
+    back = decode_result("1-0", fields)
+    carriers = [i for i in back["_ng_token_segments"][0]["output"] if "routed_experts" in i]
+    assert all(isinstance(item["routed_experts"], Routes) for item in carriers)
+    assert [item["routed_experts"] for item in carriers] == [e.routed_experts for e in entries]

@@ -46,6 +46,22 @@ def engine_routes(sampled: dict) -> numpy.ndarray:
     return routes_from_flat(sampled["routed_experts"], LAYERS, TOP_K).to_numpy()
 
 
+def assert_prefix_routed_the_same(sampled: list[dict]) -> None:
+    """The second call's prompt holds the first call's prompt and (some of) its reply:
+    SGLang routes those positions, the reply's decoded one by one and now prefilled,
+    exactly as before; what lets tokcap store a rollout's routes once."""
+    first, second = sorted(sampled, key=lambda s: len(s["prompt_token_ids"]))
+    before = first["prompt_token_ids"] + first["token_ids"]
+    common = 0
+    for a, b in zip(before, second["prompt_token_ids"], strict=False):
+        if a != b:
+            break
+        common += 1
+    rows = min(len(before) - 1, common)
+    assert rows > len(first["prompt_token_ids"])  # some of the reply is shared too
+    assert (engine_routes(first)[:rows] == engine_routes(second)[:rows]).all()
+
+
 @pytest.mark.parametrize(
     ("prompts", "stream"), [("text", True), ("text", False), ("faithful", True)]
 )
@@ -74,35 +90,12 @@ def test_each_call_carries_the_routes_sglang_sent(
         assert routes.shape == (len(entry.prompt_token_ids) + entry.generated - 1, LAYERS, TOP_K)
         assert (routes == engine_routes(sent)).all()
         assert routes.max() < EXPERTS
+    assert_prefix_routed_the_same(proxy.sampled)
     record, build = finalize(tmp_path, "moe-1", answer(replies[-1]))
     assert build.ok and not build.masked and build.metrics["chains"] == 1
     [sample] = training_samples(record)
     last = max(proxy.sampled, key=lambda s: len(s["prompt_token_ids"]))
     assert (sample.routed_experts.to_numpy()[:-1] == engine_routes(last)).all()
-
-
-def test_sglang_routes_a_prefix_the_same_when_it_is_extended(
-    sglang_moe: str, tmp_path: Path
-) -> None:
-    """The second call's prompt holds the first call's prompt and reply: SGLang routes
-    those positions (the reply's were decoded one by one, now prefilled) exactly as before."""
-    with (
-        recording_proxy(sglang_moe, "sglang") as proxy,
-        front_end(settings(proxy.url, tmp_path, routed_experts=True, moe=MOE)) as front,
-    ):
-        anthropic_loop(base(front, "moe-prefix"), stream=False)
-    first, second = sorted(proxy.sampled, key=lambda s: len(s["prompt_token_ids"]))
-    assert second["prompt_token_ids"][: len(first["prompt_token_ids"])] == first["prompt_token_ids"]
-    shared = len(first["prompt_token_ids"]) + len(first["token_ids"]) - 1
-    common = 0
-    before = first["prompt_token_ids"] + first["token_ids"]
-    for a, b in zip(before, second["prompt_token_ids"], strict=False):
-        if a != b:
-            break
-        common += 1
-    rows = min(shared, common)
-    assert rows > len(first["prompt_token_ids"])  # some of the reply is shared too
-    assert (engine_routes(first)[:rows] == engine_routes(second)[:rows]).all()
 
 
 def test_each_call_carries_the_weight_version_sglang_reports(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy
 
 from capture.records import TokenEntry
+from capture.routes import Routes
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 64
 
@@ -35,7 +36,7 @@ def rollout(turns: int, per_turn: int = 40, rollout_id: str = "r") -> list[Token
                 prompt_token_ids=prompt,
                 generation_token_ids=generation,
                 generation_log_probs=[-0.5] * len(generation),
-                routed_experts=routes_for(sequence),
+                routed_experts=Routes.from_array(routes_for(sequence)),
             )
         )
     return entries

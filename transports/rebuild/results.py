@@ -14,7 +14,7 @@ as ``_ng_supersedes``. The newer result is authoritative (see the README's train
 On the wire a token-bearing item whose ``prompt_token_ids`` extends the previous item's
 prompt + generation stores only the new tail, so a result grows with the final context,
 not with turns x context; its routed experts, likewise, only the rows after the previous
-item's, as raw uint16 bytes. ``decode_result`` restores the exact arrays (routes as
+item's, as raw uint16 bytes. Each segment of ``delivery: segments`` is compacted the same way. ``decode_result`` restores the exact arrays (routes as
 ``capture.routes.Routes``, whose ``to_numpy()`` is the trainer's array).
 """
 
@@ -27,6 +27,7 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from capture.build.segments import SEGMENTS_KEY
 from capture.codec.views import IdView, json_default, shares_prefix
 from capture.routes import Routes
 from transports.redis.keys import as_text
@@ -46,14 +47,29 @@ def _output_items(record: Mapping[str, Any]) -> list[Any] | None:
 
 
 def compact_record(record: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the record whose prompts store only what extends the previous item.
+    """A copy of the record whose prompts (and routes) store only what extends the previous
+    item, in ``response.output`` and in each segment's ``output``.
 
     Views of one chain's sequence (``capture.codec.views``) are proven to extend the
     previous item by identity; lists are compared. Either way no prompt is copied whole.
     """
     items = _output_items(record)
-    if not items:
-        return record
+    if items:
+        record = {**record, "response": {**record["response"], "output": _compact(items)}}
+    segments = record.get(SEGMENTS_KEY)
+    if isinstance(segments, list):
+        record = {**record, SEGMENTS_KEY: [_compact_segment(s) for s in segments]}
+    return record
+
+
+def _compact_segment(segment: Any) -> Any:
+    if not isinstance(segment, dict) or not isinstance(segment.get("output"), list):
+        return segment
+    return {**segment, "output": _compact(segment["output"])}
+
+
+def _compact(items: list[Any]) -> list[Any]:
+    """One chain's items, each storing only what extends the item before it."""
     compacted = []
     previous: tuple[Sequence[int], Sequence[int]] | None = None
     routes: Routes | None = None
@@ -71,7 +87,7 @@ def compact_record(record: dict[str, Any]) -> dict[str, Any]:
         compacted.append(out)
         generation = item.get("generation_token_ids")
         previous = (prompt, generation if isinstance(generation, (list, IdView)) else [])
-    return {**record, "response": {**record["response"], "output": compacted}}
+    return compacted
 
 
 def _compact_routes(item: dict[str, Any], before: Routes | None) -> tuple[dict[str, Any], Routes]:
@@ -110,9 +126,14 @@ def expand_record(record: dict[str, Any]) -> dict[str, Any]:
     An item that extends the previous one gets views of one shared sequence (as a rebuild
     in process does), so the expanded record also grows with the final context.
     """
-    items = _output_items(record)
-    if not items:
-        return record
+    _expand(_output_items(record) or [])
+    for segment in record.get(SEGMENTS_KEY) or []:
+        if isinstance(segment, dict) and isinstance(segment.get("output"), list):
+            _expand(segment["output"])
+    return record
+
+
+def _expand(items: list[Any]) -> None:
     sequence: list[int] = []
     routes: Routes | None = None
     for item in items:
@@ -134,7 +155,6 @@ def expand_record(record: dict[str, Any]) -> dict[str, Any]:
         if isinstance(generation, list):
             sequence.extend(generation)
             item["generation_token_ids"] = IdView(sequence, prompt_len, len(sequence))
-    return record
 
 
 def _expand_routes(item: dict[str, Any], before: Routes | None) -> Routes:
