@@ -35,6 +35,7 @@ from capture.lineage import entry_with_key
 from capture.records import TokenCaptureSnapshot, TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
+from capture.routes import Routes
 from transports.redis import keys as k
 from transports.redis.checks import check_call_id, check_limits, check_server
 from transports.redis.clients import RedisOptions
@@ -230,7 +231,10 @@ class RedisTokenStore:
         again only when what this process knew of the rollout turned out stale or short.
         """
         entry = TokenEntry.coerce(entry)
-        encoded = encode_entry(entry, self._block_size, self._memo)
+        if isinstance(entry.routed_experts, Routes):  # hashing them takes ms at long contexts
+            encoded = await asyncio.to_thread(encode_entry, entry, self._block_size, self._memo)
+        else:
+            encoded = encode_entry(entry, self._block_size, self._memo)
         rollout_id = entry.rollout_id
         await self.check()
         key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
