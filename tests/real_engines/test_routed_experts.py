@@ -20,10 +20,9 @@ which tokcap rightly refuses to capture. Until that is understood they do not ga
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
-
-import os
 
 import httpx
 import numpy
