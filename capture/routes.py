@@ -237,6 +237,7 @@ def routes_problem(
             f"routed_experts has {routes.rows} rows for {prompt_len} prompt and "
             f"{generated} generated tokens (expected {expected})"
         )
-    if num_experts is not None and routes.max_expert() >= num_experts:
-        return f"routed_experts names expert {routes.max_expert()} of {num_experts}"
+    largest = routes.max_expert() if num_experts is not None else -1
+    if num_experts is not None and largest >= num_experts:
+        return f"routed_experts names expert {largest} of {num_experts}"
     return None

@@ -53,14 +53,14 @@ def sample_of(items: Iterable[Any], role: str) -> TrainingSample:
         ids, mask, log_probs, calls = flat_sequence(items)
     except ValueError as exc:
         raise ValueError(f"{role}: {exc}") from None
-    routes = sample_routes(items, len(ids))
-    return TrainingSample(role, ids, mask, log_probs, calls, routes, version_spans(items))
-
-
-def version_spans(items: list[Any]) -> list[tuple[int, int, str | None]] | None:
-    """Where each call's sampled tokens sit and the version that sampled them; None when
-    no call names a version."""
     found = carriers(items)
+    routes = sample_routes(found, len(ids))
+    return TrainingSample(role, ids, mask, log_probs, calls, routes, version_spans(found))
+
+
+def version_spans(found: list[Mapping[str, Any]]) -> list[tuple[int, int, str | None]] | None:
+    """Where each carrier's sampled tokens sit and the version that sampled them; None when
+    no call names a version."""
     if all(item.get("policy_version") is None for item in found):
         return None
     spans = []
@@ -70,10 +70,9 @@ def version_spans(items: list[Any]) -> list[tuple[int, int, str | None]] | None:
     return spans
 
 
-def sample_routes(items: Iterable[Any], length: int) -> Routes | None:
-    """The sample's routes, a row per position (module docstring); None unless every call
-    of it carries routes."""
-    found = carriers(items)
+def sample_routes(found: list[Mapping[str, Any]], length: int) -> Routes | None:
+    """The sample's routes from its carriers, a row per position (module docstring); None
+    unless every call of it carries routes."""
     if not found or any(item.get("routed_experts") is None for item in found):
         return None
     last = as_routes(found[-1]["routed_experts"])

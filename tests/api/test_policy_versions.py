@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from api.settings import ServerSettings
-from capture.config import TokenIdCaptureConfig
 from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import FileTokenStore
 from capture.rollout_ids import capture_base_url, rollout_token
@@ -33,15 +32,14 @@ from tests.support.fault_loops import (
     run_loops,
     write_script,
 )
-from tests.support.frontend import engine_server, finalize, freeze, front_end
+from tests.support.frontend import engine_server, file_store_settings, finalize, freeze, front_end
 
 PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 SECRET = "policy-version-secret-0123"
 
 
 def settings(upstream: str, store: Path, **server: Any) -> ServerSettings:
-    capture = TokenIdCaptureConfig(enabled=True, dir=str(store))
-    return ServerSettings(upstream=upstream, capture=capture, sampling_overrides=PINNED, **server)
+    return file_store_settings(upstream, store, sampling_overrides=PINNED, **server)
 
 
 def update_weights(wire: str, engine: str, front: str, version: str) -> None:

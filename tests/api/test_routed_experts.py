@@ -23,7 +23,6 @@ import pytest
 from api.probe import EngineRefused, probe
 from api.settings import ServerSettings
 from capture.codec.views import json_default
-from capture.config import TokenIdCaptureConfig
 from capture.routes import Routes
 from capture.samples import training_samples
 from tests.support.fault_loops import Rollout, Tally, final_record, harness_client, run_loops
@@ -31,6 +30,7 @@ from tests.support.frontend import (
     assert_entries_equal_ground_truth,
     assert_one_contiguous_chain,
     engine_server,
+    file_store_settings,
     finalize,
     freeze,
     front_end,
@@ -49,15 +49,9 @@ CASES = [
 
 
 def settings(upstream: str, store: Path, prompts: str, **server: Any) -> ServerSettings:
-    capture = TokenIdCaptureConfig(enabled=True, dir=str(store))
     renderer = {"tokenizer": "qwen3"} if prompts == "faithful" else {}
-    return ServerSettings(
-        upstream=upstream,
-        capture=capture,
-        sampling_overrides=PINNED,
-        prompts=prompts,
-        renderer=renderer,
-        **server,
+    return file_store_settings(
+        upstream, store, sampling_overrides=PINNED, prompts=prompts, renderer=renderer, **server
     )
 
 

@@ -20,7 +20,8 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 
 VOCAB_ROWS = 151936  # the embedding's rows: Qwen3's, beyond the tokenizer's 151,669 ids
 IM_END, ENDOFTEXT = 151645, 151643
-MOE_LAYERS, MOE_TOP_K, MOE_EXPERTS = 2, 2, 8  # the MoE variant (``moe``): routing replay tests
+LAYERS = 2
+MOE_TOP_K, MOE_EXPERTS = 2, 8  # the MoE variant (``moe``): routing replay tests
 
 
 def write_tokenizer(out: Path, tiktoken_file: str, added: list[list], pattern: str) -> None:
@@ -40,52 +41,37 @@ def write_tokenizer(out: Path, tiktoken_file: str, added: list[list], pattern: s
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
-def write_weights(out: Path) -> None:
+def write_weights(out: Path, moe: bool = False) -> None:
+    """Random bf16 weights; ``moe``: a Qwen3-MoE of the same shape, every layer routing each
+    position to ``MOE_TOP_K`` of ``MOE_EXPERTS`` experts."""
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB_ROWS,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=40960,  # a Claude Code request is tens of thousands
-        tie_word_embeddings=True,
-        bos_token_id=ENDOFTEXT,
-        eos_token_id=IM_END,
-    )
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [IM_END, ENDOFTEXT], "bos_token_id": ENDOFTEXT})
-    )
-
-
-def write_moe_weights(out: Path) -> None:
-    """The same shape as a Qwen3-MoE: every layer routes each position to 2 of 8 experts."""
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB_ROWS,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_experts=MOE_EXPERTS,
-        num_experts_per_tok=MOE_TOP_K,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        num_hidden_layers=MOE_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        bos_token_id=ENDOFTEXT,
-        eos_token_id=IM_END,
-    )
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+    shape = {
+        "vocab_size": VOCAB_ROWS,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 40960,  # a Claude Code request is tens of thousands
+        "tie_word_embeddings": True,
+        "bos_token_id": ENDOFTEXT,
+        "eos_token_id": IM_END,
+    }
+    if moe:
+        experts = {"num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K}
+        config = Qwen3MoeConfig(
+            **shape,
+            **experts,
+            moe_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**shape))
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [IM_END, ENDOFTEXT], "bos_token_id": ENDOFTEXT})
     )
@@ -97,7 +83,7 @@ def main() -> None:
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     write_tokenizer(target, tiktoken_file, json.loads(added_json), pattern)
-    (write_moe_weights if moe else write_weights)(target)
+    write_weights(target, moe)
 
 
 if __name__ == "__main__":

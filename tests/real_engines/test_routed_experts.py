@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(
     not os.environ.get("TOKCAP_REAL_MOE"),
     reason="opt-in (TOKCAP_REAL_MOE=1): SGLang's CPU MoE once answered NaN log-probs in CI",
 )
-LAYERS, TOP_K, EXPERTS = 2, 2, 8  # build_model.MOE_*
+LAYERS, TOP_K, EXPERTS = 2, 2, 8  # build_model.LAYERS, MOE_TOP_K, MOE_EXPERTS
 MOE = {"layers": LAYERS, "top_k": TOP_K, "experts": EXPERTS}
 
 

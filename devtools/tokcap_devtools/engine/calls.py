@@ -7,6 +7,7 @@ either wire, so the ground truth means the same thing whichever one a test talks
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .generation import Engine, Generation, SamplingParams
@@ -83,3 +84,18 @@ def out_of_vocabulary(engine: Engine, ids: list[int]) -> str | None:
     if any(not 0 <= t < vocab for t in ids):
         return f"token id out of vocabulary (0..{vocab - 1})"
     return None
+
+
+def new_weight_version(engine: Engine, body: bytes) -> str | None:
+    """A weight update as both engines take it (``POST /update_weight_version`` with
+    ``new_version``): the version sequences sampled from now on are stamped with, or None
+    when the body names none. Each wire answers in its engine's own shape."""
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    version = request.get("new_version") if isinstance(request, dict) else None
+    if not isinstance(version, str) or not version:
+        return None
+    engine.weight_version = version
+    return version

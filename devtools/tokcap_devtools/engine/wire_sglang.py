@@ -236,14 +236,9 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
 async def update_weight_version(request: Request) -> Response:
     """SGLang's ``POST /update_weight_version`` (``new_version``): calls sampled from now on
     report it; a request already sampled keeps the version it was sampled under."""
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
-    version = body.get("new_version") if isinstance(body, dict) else None
-    if not isinstance(version, str) or not version:
+    version = calls.new_weight_version(_engine(request), await request.body())
+    if version is None:
         return openai_error("new_version must be a non-empty string")
-    _engine(request).weight_version = version
     return JSONBytesResponse({"success": True, "message": f"weight version set to {version}"})
 
 

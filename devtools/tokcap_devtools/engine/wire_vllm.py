@@ -216,14 +216,9 @@ async def update_weight_version(request: Request) -> Response:
     """vLLM 0.32's ``POST /update_weight_version`` (``new_version``; its RL routes, served
     with ``VLLM_SERVER_DEV_MODE=1``): sequences sampled from now on have that version. Its
     chat and completions replies do not report it; ``GET /weight_info`` does."""
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
-    version = body.get("new_version") if isinstance(body, dict) else None
-    if not isinstance(version, str) or not version:
+    version = calls.new_weight_version(_engine(request), await request.body())
+    if version is None:
         return error_response("new_version must be a non-empty string")
-    _engine(request).weight_version = version
     return JSONBytesResponse({"success": True, "new_version": version})
 
 
