@@ -1,9 +1,9 @@
 """The model-server front end: a FastAPI app harnesses call instead of the engine.
 
-A model call travels one way: the prefix router (``api.routing``) strips the rollout prefix
+A model call travels one way: the prefix router (``api.edge.prefix``) strips the rollout prefix
 and opens the capture context; the dialect translates the request into one chat request;
 the upstream client calls the engine; the capture step stores the ids; the dialect builds
-the reply, streamed or not (``api.serving``: the wait, keep-alive and hang-ups). Each step
+the reply, streamed or not (``api.call.serve``: the wait, keep-alive and hang-ups). Each step
 reads only the previous step's output. This module wires the routes, the probes and the
 worker's start-up.
 """
@@ -21,18 +21,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.collisions import CollisionWatch
+from api.call.collisions import CollisionWatch
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
-from api.generation import UpstreamError
-from api.limits import BodyLimit, parse_json_object
-from api.metrics import FrontEndMetrics
-from api.policy import PolicyVersion, policy_version_route
+from api.engine.generation import UpstreamError
+from api.edge.body import BodyLimit, parse_json_object
+from api.edge.metrics import FrontEndMetrics
+from api.call.policy import PolicyVersion, policy_version_route
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
-from api.routing import OPEN_PATHS, CapturePrefixRouter, RequireKey, SinkSlot
-from api.serving import Dialect, serve_call
+from api.edge.prefix import OPEN_PATHS, CapturePrefixRouter, RequireKey, SinkSlot
+from api.call.serve import Dialect, serve_call
 from api.settings import ServerSettings, settings_from_environment
-from api.upstream import UpstreamClient
+from api.engine.client import UpstreamClient
 from capture.protocols import StartupCheck, TokenSink
 from capture.registry import installed_token_sink
 

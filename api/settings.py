@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from api.engines import engine_family
+from api.engine import engine_family
 from capture.config import TokenIdCaptureConfig, find_capture_block, load_document
 from capture.context import DEFAULT_CAPTURE_TIMEOUT_S
 from capture.errors import ConfigError

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from api.generation import Generation
+from api.engine.generation import Generation
 from capture.records import TokenEntry
 
 Scope = MutableMapping[str, Any]

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from api.engines.vllm import CHAT_PARAMS as CAPTURE_PARAMS
+from api.engine.vllm import CHAT_PARAMS as CAPTURE_PARAMS
 from bench.bench_engine import prompt_of
 from tests.support.servers import free_port, run_process
 

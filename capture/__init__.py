@@ -14,7 +14,7 @@ The words every package uses, one per concept:
   that cannot be made durable in time is not answered. ``capture.context.retry_until`` is
   only the retry loop around a put.
 - engine: the model server that samples (vLLM, SGLang); an engine adapter
-  (``api.engines``) speaks one family's wire; the upstream client (``api.upstream``) is the
+  (``api.engine``) speaks one family's wire; the upstream client (``api.engine.client``) is the
   front end's client of it; the development engine (``tokcap engine``,
   ``tokcap_devtools.engine``) is the test stand-in for one.
 - store: what keeps entries, a sink and a source in one: ``FileTokenStore`` (node-local

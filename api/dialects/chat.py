@@ -20,7 +20,7 @@ from api.dialects.common import (
     require_list,
     require_mapping,
 )
-from api.sse import event
+from api.dialects.sse import event
 from api.types import ServedCall
 
 NAME = "chat"

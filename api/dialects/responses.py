@@ -27,7 +27,7 @@ from api.dialects.common import (
     require_text,
     tool_call,
 )
-from api.sse import event
+from api.dialects.sse import event
 from api.types import ServedCall
 
 NAME = "responses"

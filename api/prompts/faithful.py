@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from api.dialects.common import RequestError, new_id, tool_call
-from api.generation import Generation, with_changes
+from api.engine.generation import Generation, with_changes
 from api.prompts.canonical import Lineage, split_history
 from api.prompts.lineage import LineageMemory, find_continued
 from capture.context import current_call

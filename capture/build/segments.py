@@ -8,7 +8,7 @@ that no earlier delivery holds, and its first call's prompt carries the shared p
 context. A chain with an ambiguous call is not delivered.
 
 A segment's role comes from the traits the front end recorded on each entry
-(``api.traits``, under ``TRAITS_FIELD``): ``compaction_summary`` (its last call asked for a
+(``api.call.traits``, under ``TRAITS_FIELD``): ``compaction_summary`` (its last call asked for a
 summary), ``continuation`` (it resumes from a summary), ``title`` (a JSON answer with no
 tools), ``subagent`` (the request says so, or another system prompt or tool set than the
 main chain's), else ``other``.

@@ -1,7 +1,7 @@
 """Ids and log-probs in packed little-endian form, and ``PackedIds``: a prompt kept packed.
 
 The codec stores ids as uint32 and log-probs as float64. The front end's id check already
-packs a reply's prompt to uint32 (``api.generation``); an entry that carries those bytes as
+packs a reply's prompt to uint32 (``api.engine.generation``); an entry that carries those bytes as
 ``PackedIds`` lets the codec prove that a long prompt extends the prefix it encoded last
 time with one ``memcmp`` instead of a pass over a list of Python ints, and take the new ids'
 bytes without packing them again. A put then costs the ids the call adds, at any context.

@@ -12,8 +12,8 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter
 
-from api import collisions
-from api.collisions import CollisionWatch
+from api.call import collisions
+from api.call.collisions import CollisionWatch
 from capture.context import CallCapture
 
 LOOP = {"system": "s", "tools": "t", "n_tools": 2, "first_user": "task-a"}

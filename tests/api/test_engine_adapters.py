@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from api.engines import ADAPTERS, family_of_models, sglang, vllm
-from api.upstream import prompt_length_in
+from api.engine import ADAPTERS, family_of_models, sglang, vllm
+from api.engine.client import prompt_length_in
 
 FIXTURES = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "engines"
 PROMPT = [151644, 872, 198, 13048, 151645, 198, 151644, 77091, 198]

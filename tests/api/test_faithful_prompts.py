@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.capture_step import call_entry, output_items
-from api.generation import reply_generation
+from api.call.capture import call_entry, output_items
+from api.engine.generation import reply_generation
 from api.prompts.canonical import lineage_key, lineage_keys
 from api.prompts.faithful import BRIDGE_REFUSED, NO_MATCH, FaithfulPrompts
 from api.prompts.lineage import ContinuedCall, LineageMemory

@@ -13,7 +13,7 @@ import pytest
 
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError, item_id
-from api.engines.vllm_stream import Delta
+from api.engine.vllm_stream import Delta
 from tests.support.frontend import sse_events
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from api.capture_step import call_entry, output_items
-from api.engines import sglang, vllm
-from api.generation import checked_ids, sent_prompt_check
+from api.call.capture import call_entry, output_items
+from api.engine import sglang, vllm
+from api.engine.generation import checked_ids, sent_prompt_check
 from capture.codec.packed import PackedIds, pack_ids
 from capture.context import CallCapture
 from capture.filestore.store import FileTokenStore

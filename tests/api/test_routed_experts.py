@@ -20,7 +20,7 @@ import httpx
 import numpy
 import pytest
 
-from api.probe import EngineRefused, probe
+from api.engine.probe import EngineRefused, probe
 from api.settings import ServerSettings
 from capture.codec.views import json_default
 from capture.routes import Routes

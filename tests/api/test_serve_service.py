@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from api.metrics import MULTIPROC_ENV
+from api.edge.metrics import MULTIPROC_ENV
 from capture.errors import ConfigError
 from capture.filestore.store import FileTokenStore
 from tests.support.frontend import engine_server

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from api.dialects import anthropic
-from api.traits import request_traits
+from api.call.traits import request_traits
 from capture.build.final_answer import reply_digest
 from capture.filestore.store import FileTokenStore
 from tests.support import dialect_loops

@@ -22,11 +22,11 @@ import pytest
 from fastapi import FastAPI
 
 from api import jsonbytes
-from api.engines.vllm import LOGPROB_PLACEHOLDER
-from api.engines.vllm import predates_token_ids as engine_predates_token_ids
-from api.engines.vllm import read_chat as read_generation
+from api.engine.vllm import LOGPROB_PLACEHOLDER
+from api.engine.vllm import predates_token_ids as engine_predates_token_ids
+from api.engine.vllm import read_chat as read_generation
 from api.settings import ServerSettings
-from api.upstream import UpstreamClient
+from api.engine.client import UpstreamClient
 from capture.errors import ConfigError
 from tests.support.corrupting_proxy import MODES, CorruptingProxy, corrupting_proxy
 from tests.support.frontend import (

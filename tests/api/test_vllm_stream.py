@@ -1,10 +1,10 @@
-"""Reading a vLLM chat stream (``api.engines.vllm_stream``): what each chunk adds, and the
+"""Reading a vLLM chat stream (``api.engine.vllm_stream``): what each chunk adds, and the
 whole reply the stream adds up to, checked as a non-streamed reply is."""
 
 from __future__ import annotations
 
-from api.engines import vllm
-from api.engines.vllm_stream import StreamedChat, finished, sse_data
+from api.engine import vllm
+from api.engine.vllm_stream import StreamedChat, finished, sse_data
 
 
 def chunk(delta: dict, ids: list[int], **extra: object) -> dict:

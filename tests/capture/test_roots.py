@@ -1,7 +1,7 @@
 """Where each root's conversation began, and what relates it to the main chain (issue 26).
 
 Synthetic rollouts whose entries carry the traits the front end records
-(``api.traits``): the assistant turns each request carried, the digest of the last, and a
+(``api.call.traits``): the assistant turns each request carried, the digest of the last, and a
 conversation start's opening lines. A rollout that lost its first calls is masked; beside
 the main chain, only roots the capture relates to it are delivered as segments; a second
 harness run under the same id masks the rollout in segments mode.

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.probe import EngineRefused, probe
+from api.engine.probe import EngineRefused, probe
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from capture.delivery import finalize_rollout_token_capture

@@ -19,7 +19,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from api.probe import probe
+from api.engine.probe import probe
 from api.prompts.vocab import qwen3_tokenizer
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from api.probe import EngineRefused, probe
+from api.engine.probe import EngineRefused, probe
 from api.settings import ServerSettings
 from tests.real_engines.conftest import build_model, ensure_sglang, running_sglang, running_vllm
 

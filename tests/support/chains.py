@@ -86,7 +86,7 @@ def full(e: TokenEntry) -> list[int]:
     return e.prompt_token_ids + e.generation_token_ids
 
 
-# The request traits of the main loop (api.traits), for the root checks.
+# The request traits of the main loop (api.call.traits), for the root checks.
 MAIN = {"system": "s-main", "tools": "t-main", "n_tools": 2}
 
 

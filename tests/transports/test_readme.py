@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from api.metrics import FrontEndMetrics
+from api.edge.metrics import FrontEndMetrics
 from capture.summary import SUMMARY_KEYS
 from tests.support.rebuild import finished_record, populate
 

@@ -25,11 +25,11 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from api.metrics import MULTIPROC_ENV
-from api.probe import probe
+from api.edge.metrics import MULTIPROC_ENV
+from api.engine.probe import probe
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.settings import ENV_CONFIG, ServerSettings, settings_from_environment
-from api.upstream import where
+from api.engine.client import where
 from capture.errors import ConfigError, TokenCaptureError
 from capture.protocols import StartupCheck
 from tokcap.help import verb_main

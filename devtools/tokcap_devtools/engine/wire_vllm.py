@@ -36,7 +36,7 @@ _STATUSES = {status.value for status in HTTPStatus}
 # pieces held back included), as from vLLM 0.12 on, which /version names by default
 # (``EngineSettings.vllm_version``).
 # What /version says while token_id_fields is off: a vLLM from before return_token_ids, so a
-# client reading the version (api.upstream) takes the engine for the old one it emulates.
+# client reading the version (api.engine.client) takes the engine for the old one it emulates.
 LEGACY_VLLM_VERSION = "0.10.1"
 
 

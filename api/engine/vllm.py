@@ -21,8 +21,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from api.engines import common
-from api.generation import (
+from api.engine import adapter as common
+from api.engine.generation import (
     Generation,
     UpstreamError,
     finish,

@@ -42,7 +42,7 @@ History = tuple[str, int, str]
 
 def history_of(traits: Mapping[str, Any]) -> tuple[Harness, History] | None:
     """The harness loop a call belongs to and its history (digests), from the request's
-    traits (``api.traits``); None for calls that legitimately run beside the loop."""
+    traits (``api.call.traits``); None for calls that legitimately run beside the loop."""
     if traits.get("subagent") or is_side_request(traits):
         return None
     harness = (str(traits.get("system")), str(traits.get("tools")))

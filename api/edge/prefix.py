@@ -22,7 +22,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 from api.dialects import anthropic, chat, responses
-from api.limits import send_error
+from api.edge.body import send_error
 from api.types import ASGIApp, Receive, Scope, Send
 from capture.context import DEFAULT_CAPTURE_TIMEOUT_S, capture_call
 from capture.errors import InvalidRolloutIdError

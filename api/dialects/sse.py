@@ -1,7 +1,7 @@
 """Server-sent events: the framing every dialect's stream uses.
 
 Each dialect builds its events with it: relayed as the engine samples (``Relay`` in its
-module), or replayed from the finished reply (``events``); ``api.serving`` decides which,
+module), or replayed from the finished reply (``events``); ``api.call.serve`` decides which,
 sends the keep-alive, and sends the final event only once the call's entry is durable.
 """
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.generation import Generation, with_changes
+from api.engine.generation import Generation, with_changes
 from capture.routes import Routes, routes_from_flat, routes_problem
 
 NO_ROUTES = (

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.generation import UpstreamError
+from api.engine.generation import UpstreamError
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
-from api.upstream import UpstreamClient
+from api.engine.client import UpstreamClient
 from capture.errors import ConfigError
 
 PROBE_MESSAGES = [{"role": "user", "content": "Reply with one word: ready."}]

@@ -1,7 +1,7 @@
 """The client of the upstream engine: one connection pool, one adapter, checked replies.
 
 Every model call becomes exactly one non-streamed request in the engine's own format
-(``api.engines``: vLLM or SGLang, chosen by ``model_server.engine`` or, with ``auto``, from the
+(``api.engine``: vLLM or SGLang, chosen by ``model_server.engine`` or, with ``auto``, from the
 engine's answers at the first call), and its reply is read and checked by that adapter before
 anything is captured. Around the adapter the client handles what every engine shares:
 
@@ -27,9 +27,9 @@ from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from api import jsonbytes
-from api.engine_http import TRANSPORT_ERRORS, EngineHTTP
-from api.engines import ADAPTERS, engine_family, family_of_models
-from api.engines.vllm_stream import (
+from api.engine.http import TRANSPORT_ERRORS, EngineHTTP
+from api.engine import ADAPTERS, engine_family, family_of_models
+from api.engine.vllm_stream import (
     RELAY_SINCE,
     STREAM_PARAMS,
     Delta,
@@ -37,8 +37,8 @@ from api.engines.vllm_stream import (
     finished,
     sse_data,
 )
-from api.expert_routes import with_routes
-from api.generation import Generation, UpstreamError, prompt_check, with_changes
+from api.engine.routes import with_routes
+from api.engine.generation import Generation, UpstreamError, prompt_check, with_changes
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class UpstreamClient:
 
     async def can_relay(self) -> bool:
         """Whether a streamed call can be relayed as the engine samples it: a vLLM whose
-        chat stream carries every chunk's ids (``api.engines.vllm_stream.RELAY_SINCE``),
+        chat stream carries every chunk's ids (``api.engine.vllm_stream.RELAY_SINCE``),
         unless routes are captured (vLLM's chat stream does not carry them)."""
         await self.learn()
         if self.routed_experts:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api.dialects.common import arguments_text, item_id, new_id
-from api.generation import Generation
+from api.engine.generation import Generation
 from api.types import ServedCall
 from capture.codec.packed import PackedIds
 from capture.context import CallCapture, capture_entry, current_call, mark_incomplete
@@ -69,7 +69,7 @@ def call_entry(
     """The call's entry, straight from the typed generation: the arrays ride on the last item.
 
     ValueError when the arrays are inconsistent (say, fewer log-probs than ids). The
-    adapter already checked every id and log-prob (``api.generation``), so the entry is
+    adapter already checked every id and log-prob (``api.engine.generation``), so the entry is
     built without pydantic re-validating (and copying) a prompt of tens of thousands of ids.
     A sink that reads packed ids gets the prompt as its check packed it.
     """

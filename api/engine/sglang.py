@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.engines import common
-from api.expert_routes import flat_routes
-from api.generation import (
+from api.engine import adapter as common
+from api.engine.routes import flat_routes
+from api.engine.generation import (
     Generation,
     finish,
     first_choice,

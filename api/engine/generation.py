@@ -55,10 +55,10 @@ class Generation:
     entry_fields: dict[str, Any] = field(default_factory=dict)
     # The prompt ids packed (little-endian uint32) by their check, for the entry to carry.
     prompt_packed: bytes | None = None
-    # MoE routes, checked against the ids (``api.expert_routes``), where they are captured.
+    # MoE routes, checked against the ids (``api.engine.routes``), where they are captured.
     routed_experts: Routes | None = None
     # The policy version the call ran under: the engine's report, else the trainer's at
-    # dispatch (``api.policy``).
+    # dispatch (``api.call.policy``).
     policy_version: str | None = None
 
     @property
@@ -219,7 +219,7 @@ def sent_prompt_check(ids: list[int], usage: Mapping[str, Any]) -> tuple[bytes |
     """The prompt of a token-in call packed when it can be trusted, else why not.
 
     The front end built these ids itself, so only the engine's own count of them is read;
-    a vocabulary other than the engine's is refused once, at start-up (``api.probe``).
+    a vocabulary other than the engine's is refused once, at start-up (``api.engine.probe``).
     """
     if not ids:
         return None, "the prompt ids are empty; a rendered chat prompt has tokens"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.engines import sglang, vllm
+from api.engine import sglang, vllm
 from capture.errors import ConfigError
 
 ADAPTERS = {"vllm": vllm, "sglang": sglang}

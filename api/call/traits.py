@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from api.generation import Generation, with_changes
+from api.engine.generation import Generation, with_changes
 from capture.build.final_answer import reply_digest
 from capture.build.projection import content_text
 from capture.build.roots import ANSWERED_BEFORE, OPENING, TURNS_BEFORE, opening_digests
