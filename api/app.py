@@ -22,17 +22,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.call.collisions import CollisionWatch
+from api.call.policy import PolicyVersion, policy_version_route
+from api.call.serve import Dialect, serve_call
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
-from api.engine.generation import UpstreamError
 from api.edge.body import BodyLimit, parse_json_object
 from api.edge.metrics import FrontEndMetrics
-from api.call.policy import PolicyVersion, policy_version_route
-from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.edge.prefix import OPEN_PATHS, CapturePrefixRouter, RequireKey, SinkSlot
-from api.call.serve import Dialect, serve_call
-from api.settings import ServerSettings, settings_from_environment
 from api.engine.client import UpstreamClient
+from api.engine.generation import UpstreamError
+from api.prompts.faithful import FaithfulPrompts, faithful_prompts
+from api.settings import ServerSettings, settings_from_environment
 from capture.protocols import StartupCheck, TokenSink
 from capture.registry import installed_token_sink
 

@@ -14,8 +14,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from api.dialects.common import arguments_text, item_id, new_id
+from api.dialects.common import arguments_text
 from api.engine.generation import Generation
+from api.ids import item_id, new_id
 from api.types import ServedCall
 from capture.codec.packed import PackedIds
 from capture.context import CallCapture, capture_entry, current_call, mark_incomplete

@@ -24,8 +24,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from api.engine.generation import Generation, with_changes
 from api.edge.body import BodyError, parse_json_object
+from api.engine.generation import Generation, with_changes
 
 log = logging.getLogger(__name__)
 

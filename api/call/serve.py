@@ -24,19 +24,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api.dialects import sse
 from api.call.capture import capture
-from api.dialects.common import RequestError
-from api.engine.vllm_stream import Delta
-from api.engine.generation import Generation, UpstreamError
-from api.edge.hangup import client_gone
-from api.jsonbytes import JSONBytesResponse
-from api.edge.body import RETRY_HEADERS, parse_json_object, release_body, take_body
-from api.edge.metrics import FrontEndMetrics
 from api.call.policy import stamped
-from api.prompts.faithful import FaithfulPrompts, Prompt
 from api.call.traits import request_traits, with_traits
-from api.types import ServedCall
+from api.dialects import sse
+from api.dialects.common import RequestError
+from api.edge.body import RETRY_HEADERS, parse_json_object, release_body, take_body
+from api.edge.hangup import client_gone
+from api.edge.metrics import FrontEndMetrics
+from api.engine.generation import Generation, UpstreamError
+from api.jsonbytes import JSONBytesResponse
+from api.prompts.faithful import FaithfulPrompts, Prompt
+from api.types import Delta, ServedCall
 from capture.context import (
     CallCapture,
     begin_call,

@@ -21,7 +21,6 @@ from api.dialects.common import (
     assistant_message,
     chat_request,
     joined_text,
-    new_id,
     number,
     require_list,
     require_mapping,
@@ -29,7 +28,8 @@ from api.dialects.common import (
     tool_call,
 )
 from api.dialects.sse import event
-from api.types import ServedCall
+from api.ids import new_id
+from api.types import Delta, ServedCall
 
 NAME = "anthropic"
 
@@ -397,7 +397,7 @@ class Relay:
         self.kind = kind
         return [*sent, _block_started(self.index, block)]
 
-    def delta(self, delta: Any) -> list[bytes]:
+    def delta(self, delta: Delta) -> list[bytes]:
         sent: list[bytes] = []
         if delta.reasoning:
             if self.kind != "thinking":

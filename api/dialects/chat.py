@@ -14,14 +14,14 @@ from typing import Any
 
 from api.dialects.common import (
     RequestError,
-    new_id,
     number,
     openai_error_body,
     require_list,
     require_mapping,
 )
 from api.dialects.sse import event
-from api.types import ServedCall
+from api.ids import new_id
+from api.types import Delta, ServedCall
 
 NAME = "chat"
 
@@ -215,7 +215,7 @@ class Relay:
         self.head = head
         self.body = body
 
-    def delta(self, delta: Any) -> list[bytes]:
+    def delta(self, delta: Delta) -> list[bytes]:
         sent = []
         if delta.reasoning:
             sent.append(_chunk(self.head, self.body, {"reasoning_content": delta.reasoning}))

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 
 class RequestError(ValueError):
     """The harness sent a request this dialect cannot translate; answered with a 400."""
-
-
-ID_HEX = 24  # the random hex digits of an id this server makes
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:ID_HEX]}"
-
-
-def item_id(prefix: str, reply_id: str, index: int | None = None) -> str:
-    """The id of one Responses output item of a reply: its kind's prefix and the reply's
-    own random digits (with the tool call's index), so the capture, which names the items
-    it stores, and a relayed stream, which names them as they open, agree."""
-    stem = f"{prefix}{reply_id[-ID_HEX:]}"
-    return stem if index is None else f"{stem}_{index}"
 
 
 def require_mapping(value: Any, where: str) -> Mapping[str, Any]:

@@ -18,9 +18,7 @@ from api.dialects.common import (
     RequestError,
     assistant_message,
     chat_request,
-    item_id,
     joined_text,
-    new_id,
     openai_error_body,
     require_list,
     require_mapping,
@@ -28,7 +26,8 @@ from api.dialects.common import (
     tool_call,
 )
 from api.dialects.sse import event
-from api.types import ServedCall
+from api.ids import item_id, new_id
+from api.types import Delta, ServedCall
 
 NAME = "responses"
 
@@ -411,7 +410,7 @@ class Relay:
             "output_index": len(self.items) - 1,
         }
 
-    def delta(self, delta: Any) -> list[bytes]:
+    def delta(self, delta: Delta) -> list[bytes]:
         emitted: list[tuple[str, Any]] = []
         if delta.reasoning:
             item, at = self._item("reasoning", emitted)

@@ -1,17 +1,15 @@
 """The client of the upstream engine: one connection pool, one adapter, checked replies.
 
-Every model call becomes exactly one non-streamed request in the engine's own format
-(``api.engine``: vLLM or SGLang, chosen by ``model_server.engine`` or, with ``auto``, from the
-engine's answers at the first call), and its reply is read and checked by that adapter before
-anything is captured. Around the adapter the client handles what every engine shares:
+A model call becomes one request in the engine's own format (``api.engine.adapter``; the
+family is ``model_server.engine`` or, with ``auto``, learned from the engine's answers at
+the first call): whole, or relayed as a stream where the engine's stream carries every id.
+Its reply is read and checked by the adapter before anything is captured. Around the adapter
+the client handles what every engine shares:
 
 - the base URL may end in ``/v1`` or not; ``upstream_api_key`` goes out as
   ``Authorization: Bearer`` and never into a message or a log line; a user and password in
   the URL go out as basic auth, and messages show the upstream as host:port only;
-- ``max_tokens`` is lowered to the room the context window leaves: at once when it alone
-  exceeds ``max_model_len`` (from ``GET /v1/models``), and when the engine refuses a prompt
-  plus ``max_tokens`` as too long, once more with the room its error names. The clamp is
-  recorded on the call's entry;
+- ``max_tokens`` is lowered to the room the context window leaves (``api.engine.clamp``);
 - an empty tool list is not sent (vLLM answers ``tools: []`` with ``tool_choice`` with a 400).
 """
 
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import logging
 import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -27,26 +24,13 @@ from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from api import jsonbytes
-from api.engine.http import TRANSPORT_ERRORS, EngineHTTP
-from api.engine import ADAPTERS, engine_family, family_of_models
-from api.engine.vllm_stream import (
-    RELAY_SINCE,
-    STREAM_PARAMS,
-    Delta,
-    StreamedChat,
-    finished,
-    sse_data,
-)
+from api.engine import FAMILIES, detect, engine_family
+from api.engine.adapter import STREAM_PARAMS, EngineAdapter
+from api.engine.clamp import Clamp, after_refusal, clamped
+from api.engine.generation import Generation, UpstreamError, with_changes
+from api.engine.http import TRANSPORT_ERRORS, EngineHTTP, sse_data
 from api.engine.routes import with_routes
-from api.engine.generation import Generation, UpstreamError, prompt_check, with_changes
-
-log = logging.getLogger(__name__)
-
-# How each engine names the prompt length in its context-length error (vLLM 0.10.2, vLLM
-# before it, SGLang 0.5.23).
-_PROMPT_LENGTH = re.compile(
-    r"(\d+) input tokens|\((\d+) in the messages|(\d+) tokens from the input messages"
-)
+from api.types import Delta
 
 
 def where(url: str) -> str:
@@ -117,18 +101,12 @@ def _chunk(data: str) -> Any:
     return chunk
 
 
-def prompt_length_in(message: str) -> int | None:
-    """The prompt length an engine's context-length error names, or None."""
-    match = _PROMPT_LENGTH.search(message)
-    return int(next(group for group in match.groups() if group)) if match else None
-
-
 class UpstreamClient:
     """One connection pool to the engine per worker, and what it learned of the engine.
 
     The engine family (``auto``) and ``max_model_len`` come from ``GET /v1/models`` at the
-    first call; whether a vLLM predates ``return_token_ids`` from ``GET /version``. Both are
-    asked once and kept for the client's life.
+    first call, and then whatever the family's adapter asks (``EngineAdapter.learn``). All
+    are asked once and kept for the client's life.
     """
 
     def __init__(
@@ -154,6 +132,7 @@ class UpstreamClient:
         self.sampling_overrides = dict(sampling_overrides or {})
         self.vocab_size = vocab_size
         self.engine = engine_family(engine)  # "auto" until the first call names the family
+        self.adapter: EngineAdapter = FAMILIES.get(self.engine, FAMILIES["vllm"])()
         self.routed_experts = routed_experts  # every call's routes captured and checked
         self.moe = moe  # the MoE shape the routes are checked against (SGLang: shaped by)
         # A key wins over the URL's user and password.
@@ -164,8 +143,6 @@ class UpstreamClient:
         )
         self._served_model: str | None = None  # the upstream's first model, once asked
         self.max_model_len: int | None = None
-        self._legacy: bool | None = None  # None: not asked yet (or the engine did not answer)
-        self._release: tuple[int, ...] | None = None  # a vLLM's release, once asked
         self._learn_lock = asyncio.Lock()
         self._learned = False
 
@@ -185,7 +162,8 @@ class UpstreamClient:
             moe=settings.moe,
         )
 
-    async def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One POST of a JSON body; its JSON object reply, or an ``UpstreamError``."""
         content = jsonbytes.dumps(body)  # ValueError for NaN
         try:
             status, reply = await self._http.post(path, content)
@@ -201,7 +179,7 @@ class UpstreamClient:
             raise UpstreamError(502, "upstream answered with a non-object JSON body")
         return data
 
-    async def _get_json(self, path: str) -> tuple[int, Any]:
+    async def ask(self, path: str) -> tuple[int, Any]:
         """(status, body) of a GET; (0, None) when the engine could not be reached."""
         try:
             status, reply = await self._http.get(path)
@@ -213,79 +191,40 @@ class UpstreamClient:
             return status, None
 
     async def models(self) -> list[dict[str, Any]]:
-        status, body = await self._get_json("/v1/models")
+        status, body = await self.ask("/v1/models")
         if status != 200 or not isinstance(body, Mapping) or not isinstance(body.get("data"), list):
             reason = f"status {status}" if status else "unreachable"
             raise UpstreamError(502, f"upstream models unavailable ({self.where}: {reason})")
         return _model_cards(body)
 
     async def learn(self) -> None:
-        """Ask the engine once what it is: its family, max_model_len, and (vLLM) its era."""
+        """Ask the engine once what it is: its family, max_model_len, and its adapter's
+        questions."""
         if self._learned:
             return
         async with self._learn_lock:
             if self._learned:
                 return
-            status, body = await self._get_json("/v1/models")
+            status, body = await self.ask("/v1/models")
             models = _model_cards(body) if status == 200 else []
             if models:
                 self._served_model = str(models[0]["id"])
                 length = models[0].get("max_model_len")
                 self.max_model_len = length if isinstance(length, int) and length > 0 else None
             if self.engine == "auto" and status:  # only an engine that answered names itself
-                self.engine = family_of_models(models) or await self._family_by_routes()
-            if self.engine == "vllm":
-                self._legacy = await self._ask_version()
+                self.engine = await detect(models, self.ask)
+                self.adapter = FAMILIES[self.engine]()
+            if status:
+                await self.adapter.learn(self.ask, self.where)
             # Any answer settles it; an engine not up yet is asked again at the next call.
             self._learned = status != 0
 
-    async def _family_by_routes(self) -> str:
-        """vLLM answers ``/version``; SGLang has no such route but ``/get_server_info``."""
-        status, _ = await self._get_json("/version")
-        if status == 200:
-            return "vllm"
-        status, _ = await self._get_json("/get_server_info")
-        return "sglang" if status == 200 else "vllm"
-
-    async def _ask_version(self) -> bool | None:
-        """Whether a vLLM predates ``return_token_ids``; None when it could not be reached.
-
-        Any HTTP answer decides: one without a readable version (404, an error) is modern.
-        Until an answer, the engine counts as modern too: a legacy engine's call is then
-        marked incomplete for its missing fields, never captured from an unreported prompt.
-        """
-        status, body = await self._get_json("/version")
-        if not status:
-            return None
-        version = body.get("version") if status < 400 and isinstance(body, Mapping) else None
-        self._release = ADAPTERS["vllm"].release_of(version)
-        legacy = ADAPTERS["vllm"].predates_token_ids(version)
-        if legacy:
-            log.warning(
-                "engine %s reports version %s, before vLLM 0.10.2: generated ids come from the "
-                "log-prob tokens alone and prompt ids from /tokenize",
-                self.where,
-                version,
-            )
-        return legacy
-
-    @property
-    def adapter(self) -> Any:
-        return ADAPTERS.get(self.engine, ADAPTERS["vllm"])
-
-    async def legacy_engine(self) -> bool:
-        """Whether the engine is a vLLM before 0.10.2 (asked once, at the first call)."""
-        await self.learn()
-        return bool(self._legacy)
-
     async def can_relay(self) -> bool:
-        """Whether a streamed call can be relayed as the engine samples it: a vLLM whose
-        chat stream carries every chunk's ids (``api.engine.vllm_stream.RELAY_SINCE``),
-        unless routes are captured (vLLM's chat stream does not carry them)."""
+        """Whether a streamed call can be relayed as the engine samples it: an engine whose
+        chat stream carries every chunk's ids (``EngineAdapter.relays``), unless routes are
+        captured (no chat stream carries them)."""
         await self.learn()
-        if self.routed_experts:
-            return False
-        return self.engine == "vllm" and self._release is not None and self._release >= RELAY_SINCE
+        return not self.routed_experts and self.adapter.relays()
 
     def _routed(self, generation: Generation, response: Mapping[str, Any]) -> Generation:
         """The generation with its checked routes, where routes are captured."""
@@ -298,37 +237,29 @@ class UpstreamClient:
 
     async def _chat_body(
         self, chat_request: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], tuple[str, ...], tuple[int, int] | None]:
+    ) -> tuple[dict[str, Any], tuple[str, ...], Clamp | None]:
         """The engine's chat body for a request, the sampling keys overridden, and the clamp
         of ``max_tokens`` to the context window (an empty tool list is not sent: vLLM
         answers ``tools: []`` with ``tool_choice`` with a 400)."""
         model = await self.model_name(chat_request.get("model"))
         body, overridden = self.adapter.chat_body(chat_request, model, self.sampling_overrides)
         if self.routed_experts:
-            body.update(self.adapter.ROUTES_REQUEST)
+            body.update(self.adapter.routes_request)
         if not body.get("tools"):
             body.pop("tools", None)
             body.pop("tool_choice", None)
-        return body, overridden, self._clamped(body)
-
-    def _retried_clamp(
-        self, error: UpstreamError, body: dict[str, Any], clamp: tuple[int, int] | None
-    ) -> tuple[int, int]:
-        """The clamp after a context-length refusal: what the harness asked for, and the
-        room the refusal names (or the refusal itself, re-raised)."""
-        asked, sent = self._retry_clamp(error, body)
-        return (clamp[0] if clamp else asked, sent)
+        return body, overridden, clamped(body, self.max_model_len)
 
     async def chat_relay(
         self, chat_request: Mapping[str, Any]
     ) -> AsyncIterator[Delta | Generation]:
         """One streamed upstream call: what each chunk adds, as it arrives, then the whole
-        generation, checked as a non-streamed reply is (``vllm.read_chat``)."""
+        generation, checked as a non-streamed reply is."""
         body, overridden, clamp = await self._chat_body(chat_request)
         adapter = self.adapter  # known once the engine was asked (``_chat_body``)
         body.update(STREAM_PARAMS)
-        stream = StreamedChat()
-        async with self._opened_stream(adapter.CHAT_PATH, body, clamp) as (reply, clamp):
+        stream = adapter.chat_stream()
+        async with self._opened_stream(adapter.chat_path, body, clamp) as (reply, clamp):
             try:
                 async for line in reply.content:
                     data = sse_data(line)
@@ -343,16 +274,16 @@ class UpstreamClient:
                 raise UpstreamError(
                     502, f"upstream {self.where} stream broke off: {type(exc).__name__}"
                 ) from exc
-        generation = adapter.read_chat(stream.response(), overridden, vocab_size=self.vocab_size)
-        problem = finished(stream)
+        generation = adapter.read_chat(stream.response(), overridden, self.vocab_size)
+        problem = stream.unfinished()
         if problem is not None:
             generation = with_changes(generation, ids_problem=problem)
         yield with_changes(generation, max_tokens_clamp=clamp) if clamp else generation
 
     @asynccontextmanager
     async def _opened_stream(
-        self, path: str, body: dict[str, Any], clamp: tuple[int, int] | None
-    ) -> AsyncIterator[tuple[Any, tuple[int, int] | None]]:
+        self, path: str, body: dict[str, Any], clamp: Clamp | None
+    ) -> AsyncIterator[tuple[Any, Clamp | None]]:
         """The engine's streamed reply, once it answered 200 (a context-length refusal is
         retried once with the room it names, as for a whole call); (reply, the clamp)."""
         for attempt in range(2):
@@ -367,7 +298,7 @@ class UpstreamClient:
             error = _refusal(reply.status, content)
             if attempt:
                 raise error
-            clamp = self._retried_clamp(error, body, clamp)
+            clamp = after_refusal(error, body, self.max_model_len, clamp)
 
     async def model_name(self, requested: Any) -> str:
         """The configured model, else the upstream's first, else what the harness named."""
@@ -378,48 +309,20 @@ class UpstreamClient:
             return self._served_model
         return requested if isinstance(requested, str) else ""
 
-    def _clamped(self, body: dict[str, Any], prompt_length: int = 1) -> tuple[int, int] | None:
-        """Lower ``max_tokens`` to what ``max_model_len`` leaves after the prompt; the clamp."""
-        asked = body.get("max_tokens")
-        if self.max_model_len is None or not isinstance(asked, int):
-            return None
-        room = self.max_model_len - prompt_length
-        if asked <= room or room < 1:
-            return None
-        body["max_tokens"] = room
-        return asked, room
-
     async def chat(self, chat_request: Mapping[str, Any]) -> Generation:
-        """One upstream call, checked; a legacy engine's prompt ids come from ``/tokenize``."""
+        """One whole upstream call, read and checked by the adapter."""
         body, overridden, clamp = await self._chat_body(chat_request)
         adapter = self.adapter  # known once the engine was asked (``_chat_body``)
         try:
-            response = await self._post(adapter.CHAT_PATH, body)
+            response = await self.post(adapter.chat_path, body)
         except UpstreamError as exc:
-            clamp = self._retried_clamp(exc, body, clamp)
-            response = await self._post(adapter.CHAT_PATH, body)
-        generation = adapter.read_chat(
-            response, overridden, legacy=bool(self._legacy), vocab_size=self.vocab_size
-        )
+            clamp = after_refusal(exc, body, self.max_model_len, clamp)
+            response = await self.post(adapter.chat_path, body)
+        generation = adapter.read_chat(response, overridden, self.vocab_size)
         if clamp is not None:
             generation = with_changes(generation, max_tokens_clamp=clamp)
-        if self._legacy and generation.ids_problem is None and generation.prompt_token_ids is None:
-            generation = await self._with_tokenized_prompt(generation, body)
+        generation = await adapter.completed(generation, body, self.post, self.vocab_size)
         return self._routed(generation, response)
-
-    def _retry_clamp(self, error: UpstreamError, body: dict[str, Any]) -> tuple[int, int]:
-        """The clamp a context-length refusal allows, or the refusal itself (re-raised)."""
-        length = prompt_length_in(error.message) if error.status == 400 else None
-        clamp = self._clamped(body, length) if length is not None else None
-        if clamp is None:
-            raise error
-        log.info(
-            "upstream refused max_tokens %d beside %d prompt tokens; sent %d",
-            clamp[0],
-            length,
-            clamp[1],
-        )
-        return clamp
 
     async def complete_ids(
         self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any = None
@@ -437,12 +340,12 @@ class UpstreamClient:
             # A chat call without max_tokens may fill the context; a token-in call would
             # stop at the route's own default (vLLM completions: 16, SGLang /generate: 128).
             params["max_tokens"] = max(self.max_model_len - len(prompt_ids), 1)
-        clamp = self._clamped(params, len(prompt_ids))
+        clamp = clamped(params, self.max_model_len, len(prompt_ids))
         path, body = adapter.tokens_body(prompt_ids, name, params)
         if self.routed_experts:
-            body.update(adapter.ROUTES_REQUEST)
-        response = await self._post(path, body)
-        generation = adapter.read_tokens(response, prompt_ids, vocab_size=self.vocab_size)
+            body.update(adapter.routes_request)
+        response = await self.post(path, body)
+        generation = adapter.read_tokens(response, prompt_ids, self.vocab_size)
         generation = self._routed(generation, response)
         return with_changes(
             generation,
@@ -450,34 +353,10 @@ class UpstreamClient:
             max_tokens_clamp=clamp,
         )
 
-    async def _with_tokenized_prompt(
-        self, generation: Generation, body: Mapping[str, Any]
-    ) -> Generation:
-        """The generation with the prompt ids ``/tokenize`` renders, checked like the reply's."""
-        try:
-            prompt_ids = await self.tokenize(body)
-        except UpstreamError as exc:
-            return with_changes(generation, ids_problem=f"no prompt ids: {exc.message}")
-        packed, problem = prompt_check(prompt_ids, generation.usage, self.vocab_size)
-        if problem is not None:
-            return with_changes(generation, ids_problem=f"/tokenize: {problem}")
-        return with_changes(generation, prompt_token_ids=prompt_ids, prompt_packed=packed)
-
     async def tokenize(self, chat_request: Mapping[str, Any]) -> list[int]:
-        """The prompt ids of a chat request, rendered by the upstream (vLLM's ``/tokenize``)."""
-        body: dict[str, Any] = {
-            "model": chat_request.get("model") or await self.model_name(None),
-            "messages": chat_request.get("messages", []),
-            "add_generation_prompt": True,
-        }
-        for key in ("tools", "chat_template_kwargs"):
-            if chat_request.get(key):
-                body[key] = chat_request[key]
-        data = await self._post("/tokenize", body)
-        tokens = data.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise UpstreamError(502, "upstream /tokenize returned no token list")
-        return tokens
+        """The prompt ids of a chat request, rendered by the upstream."""
+        model = await self.model_name(None)
+        return await self.adapter.tokenize(chat_request, model, self.post)
 
     async def close(self) -> None:
         await self._http.close()

@@ -102,3 +102,12 @@ class EngineHTTP:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def sse_data(line: bytes) -> str | None:
+    """The payload of one SSE ``data:`` line of an engine's stream; None for anything else
+    (comments, blanks)."""
+    text = line.decode("utf-8", "replace").strip()
+    if not text.startswith("data:"):
+        return None
+    return text[len("data:") :].strip()

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.engine.client import UpstreamClient
 from api.engine.generation import UpstreamError
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
-from api.engine.client import UpstreamClient
 from capture.errors import ConfigError
 
 PROBE_MESSAGES = [{"role": "user", "content": "Reply with one word: ready."}]
@@ -30,25 +30,6 @@ PROBE_MESSAGES = [{"role": "user", "content": "Reply with one word: ready."}]
 CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 ALTERNATIVES = 5
 SAME = 1e-6  # log-probs this close are the same value
-HINTS = {
-    "ids": {
-        "vllm": "run vLLM >= 0.10.2 (return_token_ids); an older vLLM must answer GET /version",
-        "sglang": "run SGLang >= 0.5.17 (return_token_ids, return_meta_info)",
-    },
-    "logprobs": {
-        "vllm": "vLLM must allow log-probs (--max-logprobs >= 1)",
-        "sglang": "SGLang must return log-probs (return_logprob; do not disable it)",
-    },
-    "routes": {
-        "vllm": "start vLLM with --enable-return-routed-experts, or turn routed_experts off",
-        "sglang": "start SGLang with --enable-return-routed-experts and give model_server.moe "
-        "(layers, top_k), or turn routed_experts off",
-    },
-    "raw": {
-        "vllm": "start vLLM with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)",
-        "sglang": "SGLang returns log-probs before temperature here; use temperature 1.0",
-    },
-}
 
 
 class EngineRefused(ConfigError):
@@ -69,17 +50,13 @@ class EngineReport:
         return f"engine {self.family} at {self.where} (max_model_len {length})"
 
 
-def _hint(kind: str, family: str) -> str:
-    return HINTS[kind].get(family, HINTS[kind]["vllm"])
-
-
-def _refusal(problem: str, family: str) -> str:
+def _refusal(problem: str, hints: Mapping[str, str]) -> str:
     """The refusal message of an ids problem, with the setting that fixes it."""
     about_ids = "token_ids" in problem or "prompt" in problem
     kind = "logprobs" if "log-prob" in problem and not about_ids else "ids"
     if "routed_experts" in problem or "model_server.moe" in problem:
         kind = "routes"
-    return f"the engine's reply cannot be captured ({problem}): {_hint(kind, family)}"
+    return f"the engine's reply cannot be captured ({problem}): {hints[kind]}"
 
 
 def unpinned_keys(overrides: Mapping[str, Any]) -> list[str]:
@@ -93,7 +70,7 @@ async def _alternatives(client: UpstreamClient, temperature: float) -> dict[str,
     request = {"messages": PROBE_MESSAGES, "max_tokens": 1}
     body, _ = adapter.chat_body(request, model, client.sampling_overrides)
     body.update(temperature=temperature, top_logprobs=ALTERNATIVES, seed=0)
-    response = await client._post(adapter.CHAT_PATH, body)
+    response = await client.post(adapter.chat_path, body)
     choices = response.get("choices") or [{}]
     content = (choices[0].get("logprobs") or {}).get("content") or [{}]
     tops = content[0].get("top_logprobs") or []
@@ -118,14 +95,15 @@ async def probe_engine(client: UpstreamClient) -> EngineReport:
     """Probe the engine behind ``client``; EngineRefused says what to change."""
     generation = await client.chat({"messages": PROBE_MESSAGES, "max_tokens": 8})
     family = client.engine  # learned by the call
+    hints = client.adapter.hints
     if generation.ids_problem is not None:
-        raise EngineRefused(_refusal(generation.ids_problem, family))
+        raise EngineRefused(_refusal(generation.ids_problem, hints))
     temperature = client.sampling_overrides.get("temperature")
     if isinstance(temperature, (int, float)) and temperature > 0 and abs(temperature - 1) > SAME:
         if await logprobs_are_raw(client, float(temperature)):
             raise EngineRefused(
                 f"the engine returns log-probs before temperature, but sampling_overrides "
-                f"samples at temperature {temperature}: {_hint('raw', family)}"
+                f"samples at temperature {temperature}: {hints['raw']}"
             )
     report = EngineReport(family, client.where, client.max_model_len)
     unpinned = unpinned_keys(client.sampling_overrides)
@@ -151,9 +129,9 @@ async def probe_token_in(client: UpstreamClient, prompts: FaithfulPrompts) -> No
     vocabulary (the text it decodes from the ids it sampled is the renderer's decoding)."""
     prompt = await prompts.build({"messages": PROBE_MESSAGES, "max_tokens": 8})
     generation = await client.complete_ids(prompt.ids, prompt.sampling)
-    family = client.engine
     if generation.ids_problem is not None:
-        raise EngineRefused(_refusal(generation.ids_problem, family) + " (token-in call)")
+        problem = _refusal(generation.ids_problem, client.adapter.hints)
+        raise EngineRefused(problem + " (token-in call)")
     ids = generation.generation_token_ids or []
     ours = _visible(prompts.vocab.decode(ids, skip_special_tokens=False), prompts.vocab)
     theirs = _visible(generation.text, prompts.vocab)

@@ -20,31 +20,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.engine import adapter as common
+from api.engine import adapter
+from api.engine.adapter import Ask, Post
+from api.engine.checks import finish, logprob_problem, sent_prompt_check
+from api.engine.generation import Generation, reply_generation, with_changes
 from api.engine.routes import flat_routes
-from api.engine.generation import (
-    Generation,
-    finish,
-    first_choice,
-    logprob_problem,
-    prompt_check,
-    reply_generation,
-    sent_prompt_check,
-    with_changes,
-)
 from capture.routes import Routes
 
 NAME = "sglang"
 CHAT_PATH = "/v1/chat/completions"
 TOKENS_PATH = "/generate"
-CHAT_PARAMS: dict[str, Any] = {
-    "logprobs": True,
-    "top_logprobs": 0,
-    "return_token_ids": True,
-    "return_meta_info": True,
-    "n": 1,
-    "stream": False,
-}
+CHAT_PARAMS: dict[str, Any] = {**adapter.CHAT_PARAMS, "return_meta_info": True}
+NO_PROMPT_IDS = "the engine returned no prompt_token_ids although return_token_ids was requested"
 NO_IDS = (
     "the engine returned no response_token_ids although return_token_ids was requested "
     "(SGLang >= 0.5.17 returns them)"
@@ -75,18 +62,6 @@ def read_routes(response: Mapping[str, Any], moe: Any = None) -> Routes | None:
     if data is None and isinstance(extension, Mapping):
         data = extension.get("routed_experts")
     return flat_routes(data, moe)
-
-
-def predates_token_ids(version: Any) -> bool:
-    """SGLang has no id-less fallback: an engine without the fields is marked incomplete."""
-    return False
-
-
-def chat_body(
-    chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
-) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The body sent upstream, and which sampling keys the overrides replaced or added."""
-    return common.chat_body(CHAT_PARAMS, chat_request, model, overrides)
 
 
 def _triples(meta_info: Any) -> tuple[list[int] | None, list[Any] | None, str | None]:
@@ -148,30 +123,22 @@ def read_chat(
     response: Mapping[str, Any],
     overridden_keys: tuple[str, ...] = (),
     *,
-    legacy: bool = False,
     vocab_size: int | None = None,
 ) -> Generation:
     """Reduce a chat-completions response; ``ids_problem`` says why ids are unusable."""
-    choice, message = first_choice(response)
-    ids, log_probs, problem = _chat_ids(choice)
-    generation = reply_generation(
+    choices = response.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else None
+    meta = first.get("meta_info") if isinstance(first, Mapping) else None
+    generation = adapter.read_chat_reply(
         response,
-        message,
-        finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("matched_stop"),
-        prompt_ids=choice.get("prompt_token_ids"),
-        ids=ids,
-        log_probs=log_probs,
-        overridden_keys=overridden_keys,
+        overridden_keys,
+        vocab_size,
+        read_ids=_chat_ids,
+        prompt_ids=lambda reply, choice: choice.get("prompt_token_ids"),
+        stop_key="matched_stop",
+        missing_prompt=NO_PROMPT_IDS,
     )
-    if problem is None:
-        missing = "the engine returned no prompt_token_ids although return_token_ids was requested"
-        packed, problem = prompt_check(
-            generation.prompt_token_ids, generation.usage, vocab_size, missing=missing
-        )
-        generation = with_changes(generation, prompt_packed=packed)
-    generation = with_changes(generation, policy_version=weight_version(choice.get("meta_info")))
-    return finish(generation, problem, vocab_size)
+    return with_changes(generation, policy_version=weight_version(meta))
 
 
 def weight_version(meta: Any) -> str | None:
@@ -227,3 +194,63 @@ def read_tokens(
         generation = with_changes(generation, prompt_packed=packed)
     generation = with_changes(generation, policy_version=weight_version(meta))
     return finish(generation, problem, vocab_size)
+
+
+HINTS = {
+    "ids": "run SGLang >= 0.5.17 (return_token_ids, return_meta_info)",
+    "logprobs": "SGLang must return log-probs (return_logprob; do not disable it)",
+    "routes": "start SGLang with --enable-return-routed-experts and give model_server.moe "
+    "(layers, top_k), or turn routed_experts off",
+    "raw": "SGLang returns log-probs before temperature here; use temperature 1.0",
+}
+
+
+class SGLang:
+    """The SGLang adapter (``api.engine.adapter.EngineAdapter``). Nothing learned at the
+    first call changes how it is spoken to, and its chat stream carries no ids, so a
+    streamed call is made whole."""
+
+    name = NAME
+    chat_path = CHAT_PATH
+    routes_request = ROUTES_REQUEST
+    hints = HINTS
+
+    async def learn(self, ask: Ask, where: str) -> None:
+        return None
+
+    def relays(self) -> bool:
+        return False
+
+    def chat_body(
+        self, chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], tuple[str, ...]]:
+        return adapter.chat_body(CHAT_PARAMS, chat_request, model, overrides)
+
+    def read_chat(
+        self, response: Mapping[str, Any], overridden_keys: tuple[str, ...], vocab_size: int | None
+    ) -> Generation:
+        return read_chat(response, overridden_keys, vocab_size=vocab_size)
+
+    def chat_stream(self) -> adapter.ChatStream:
+        raise NotImplementedError("SGLang's chat stream carries no ids: calls are made whole")
+
+    async def completed(
+        self, generation: Generation, body: Mapping[str, Any], post: Post, vocab_size: int | None
+    ) -> Generation:
+        return generation
+
+    async def tokenize(self, chat_request: Mapping[str, Any], model: str, post: Post) -> list[int]:
+        return await adapter.tokenize(chat_request, model, post)
+
+    def tokens_body(
+        self, prompt_ids: list[int], model: str, sampling: Mapping[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        return tokens_body(prompt_ids, model, sampling)
+
+    def read_tokens(
+        self, response: Mapping[str, Any], prompt_ids: list[int], vocab_size: int | None
+    ) -> Generation:
+        return read_tokens(response, prompt_ids, vocab_size=vocab_size)
+
+    def read_routes(self, response: Mapping[str, Any], moe: Any) -> Routes | None:
+        return read_routes(response, moe)

@@ -17,36 +17,30 @@ choice, and the log-probs are the legacy ``tokens`` / ``token_logprobs`` lists.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from api.engine import adapter as common
+from api.engine import adapter
+from api.engine.adapter import Ask, Post
+from api.engine.checks import finish, logprob_problem, prompt_check, sent_prompt_check
 from api.engine.generation import (
     Generation,
     UpstreamError,
-    finish,
-    first_choice,
-    logprob_problem,
-    prompt_check,
     reply_generation,
-    sent_prompt_check,
     with_changes,
 )
+from api.engine.vllm_stream import RELAY_SINCE, StreamedChat
 from capture.routes import Routes, routes_from_npy
+
+log = logging.getLogger(__name__)
 
 NAME = "vllm"
 CHAT_PATH = "/v1/chat/completions"
 TOKENS_PATH = "/v1/completions"
 # What every chat call asks for; the id capture depends on these.
-CHAT_PARAMS: dict[str, Any] = {
-    "logprobs": True,
-    "top_logprobs": 0,
-    "return_tokens_as_token_ids": True,
-    "return_token_ids": True,
-    "n": 1,
-    "stream": False,
-}
+CHAT_PARAMS: dict[str, Any] = {**adapter.CHAT_PARAMS, "return_tokens_as_token_ids": True}
 TOKEN_ID_PREFIX = "token_id:"
 # What vLLM writes for a log-prob it does not have (and for -inf, clamped).
 LOGPROB_PLACEHOLDER = -9999.0
@@ -88,13 +82,6 @@ def predates_token_ids(version: Any) -> bool:
     """
     release = release_of(version)
     return release is not None and release < TOKEN_IDS_SINCE
-
-
-def chat_body(
-    chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
-) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The body sent upstream, and which sampling keys the overrides replaced or added."""
-    return common.chat_body(CHAT_PARAMS, chat_request, model, overrides)
 
 
 def _token_id(token: Any) -> int | None:
@@ -172,25 +159,22 @@ def read_chat(
     ``legacy`` (an engine before vLLM 0.10.2) lets ``token_ids`` and ``prompt_token_ids`` be
     absent; the prompt ids are then None for the caller to read from ``/tokenize``.
     """
-    choice, message = first_choice(response)
-    ids, log_probs, problem = _chat_logprobs(choice)
-    generation = reply_generation(
+
+    def read_ids(choice: Mapping[str, Any]) -> adapter.ReadIds:
+        ids, log_probs, problem = _chat_logprobs(choice)
+        problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy)
+        return ids, log_probs, problem
+
+    return adapter.read_chat_reply(
         response,
-        message,
-        finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("stop_reason"),
-        prompt_ids=response.get("prompt_token_ids"),
-        ids=ids,
-        log_probs=log_probs,
-        overridden_keys=overridden_keys,
+        overridden_keys,
+        vocab_size,
+        read_ids=read_ids,
+        prompt_ids=lambda reply, choice: reply.get("prompt_token_ids"),
+        stop_key="stop_reason",
+        missing_prompt=NO_PROMPT_IDS,
+        check_prompt=not (legacy and response.get("prompt_token_ids") is None),
     )
-    problem = problem or _both_sources(choice.get("token_ids"), ids or [], legacy)
-    if problem is None and not (legacy and generation.prompt_token_ids is None):
-        packed, problem = prompt_check(
-            generation.prompt_token_ids, generation.usage, vocab_size, missing=NO_PROMPT_IDS
-        )
-        generation = with_changes(generation, prompt_packed=packed)
-    return finish(generation, problem, vocab_size)
 
 
 def tokens_body(
@@ -241,3 +225,95 @@ def read_tokens(
         packed, problem = sent_prompt_check(prompt_ids, generation.usage)
         generation = with_changes(generation, prompt_packed=packed)
     return finish(generation, problem, vocab_size)
+
+
+HINTS = {
+    "ids": "run vLLM >= 0.10.2 (return_token_ids); an older vLLM must answer GET /version",
+    "logprobs": "vLLM must allow log-probs (--max-logprobs >= 1)",
+    "routes": "start vLLM with --enable-return-routed-experts, or turn routed_experts off",
+    "raw": "start vLLM with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)",
+}
+
+
+class VLLM:
+    """The vLLM adapter (``api.engine.adapter.EngineAdapter``): what it learned of one
+    engine's release, and the module's readers bound to it."""
+
+    name = NAME
+    chat_path = CHAT_PATH
+    routes_request = ROUTES_REQUEST
+    hints = HINTS
+
+    def __init__(self) -> None:
+        # Whether the engine predates return_token_ids; None until it answered GET /version.
+        # Until then it counts as modern: a legacy engine's call is then marked incomplete
+        # for its missing fields, never captured from an unreported prompt.
+        self.legacy: bool | None = None
+        self.release: tuple[int, ...] | None = None
+
+    async def learn(self, ask: Ask, where: str) -> None:
+        """The engine's release from ``GET /version``. Any HTTP answer decides: one without a
+        readable version (404, an error) is modern; no answer leaves it to the next call."""
+        status, body = await ask("/version")
+        if not status:
+            return
+        version = body.get("version") if status < 400 and isinstance(body, Mapping) else None
+        self.release = release_of(version)
+        self.legacy = predates_token_ids(version)
+        if self.legacy:
+            log.warning(
+                "engine %s reports version %s, before vLLM 0.10.2: generated ids come from the "
+                "log-prob tokens alone and prompt ids from /tokenize",
+                where,
+                version,
+            )
+
+    def relays(self) -> bool:
+        return self.release is not None and self.release >= RELAY_SINCE
+
+    def chat_body(
+        self, chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], tuple[str, ...]]:
+        return adapter.chat_body(CHAT_PARAMS, chat_request, model, overrides)
+
+    def read_chat(
+        self, response: Mapping[str, Any], overridden_keys: tuple[str, ...], vocab_size: int | None
+    ) -> Generation:
+        return read_chat(response, overridden_keys, legacy=bool(self.legacy), vocab_size=vocab_size)
+
+    def chat_stream(self) -> StreamedChat:
+        return StreamedChat()
+
+    async def completed(
+        self, generation: Generation, body: Mapping[str, Any], post: Post, vocab_size: int | None
+    ) -> Generation:
+        """A legacy engine's prompt ids, rendered by its ``/tokenize`` and checked like the
+        reply's; any other reply as it is."""
+        if not self.legacy or generation.ids_problem is not None:
+            return generation
+        if generation.prompt_token_ids is not None:
+            return generation
+        try:
+            prompt_ids = await adapter.tokenize(body, str(body.get("model") or ""), post)
+        except UpstreamError as exc:
+            return with_changes(generation, ids_problem=f"no prompt ids: {exc.message}")
+        packed, problem = prompt_check(prompt_ids, generation.usage, vocab_size)
+        if problem is not None:
+            return with_changes(generation, ids_problem=f"/tokenize: {problem}")
+        return with_changes(generation, prompt_token_ids=prompt_ids, prompt_packed=packed)
+
+    async def tokenize(self, chat_request: Mapping[str, Any], model: str, post: Post) -> list[int]:
+        return await adapter.tokenize(chat_request, model, post)
+
+    def tokens_body(
+        self, prompt_ids: list[int], model: str, sampling: Mapping[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        return tokens_body(prompt_ids, model, sampling)
+
+    def read_tokens(
+        self, response: Mapping[str, Any], prompt_ids: list[int], vocab_size: int | None
+    ) -> Generation:
+        return read_tokens(response, prompt_ids, vocab_size=vocab_size)
+
+    def read_routes(self, response: Mapping[str, Any], moe: Any) -> Routes | None:
+        return read_routes(response, moe)

@@ -18,25 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.dialects.common import new_id
+from api.ids import new_id
+from api.types import Delta
 
 # The first vLLM release whose chat stream carries the ids of every chunk.
 RELAY_SINCE = (0, 12, 0)
-# What a streamed chat call asks for beside the ids: the usage chunk, for the count check.
-STREAM_PARAMS: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
-
-
-@dataclass(frozen=True)
-class Delta:
-    """What one chunk adds to the reply the harness sees."""
-
-    reasoning: str = ""
-    text: str = ""
-    # Tool-call pieces: {"index", "id", "name", "arguments"}; id and name on a call's first.
-    tool_calls: tuple[dict[str, Any], ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.text or self.tool_calls)
 
 
 @dataclass
@@ -127,6 +113,10 @@ class StreamedChat:
             "arguments": arguments,
         }
 
+    def unfinished(self) -> str | None:
+        """Why the whole stream cannot be trusted (``finished``), or None."""
+        return finished(self)
+
     def response(self) -> dict[str, Any]:
         """What the stream added up to, as vLLM's whole chat reply (its usage as reported;
         a stream that reported none has ``problem`` set by ``finish``)."""
@@ -177,11 +167,3 @@ def _packed(ids: Any) -> Any:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
-
-
-def sse_data(line: bytes) -> str | None:
-    """The payload of one SSE ``data:`` line; None for anything else (comments, blanks)."""
-    text = line.decode("utf-8", "replace").strip()
-    if not text.startswith("data:"):
-        return None
-    return text[len("data:") :].strip()

@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from api.dialects.common import RequestError, new_id, tool_call
+from api.dialects.common import RequestError, tool_call
 from api.engine.generation import Generation, with_changes
+from api.ids import new_id
 from api.prompts.canonical import Lineage, split_history
 from api.prompts.lineage import LineageMemory, find_continued
 from capture.context import current_call

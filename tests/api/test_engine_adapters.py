@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from api.engine import ADAPTERS, family_of_models, sglang, vllm
-from api.engine.client import prompt_length_in
+from api.engine import FAMILIES, family_of_models, sglang, vllm
+from api.engine.clamp import prompt_length_in
 
 FIXTURES = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "engines"
 PROMPT = [151644, 872, 198, 13048, 151645, 198, 151644, 77091, 198]
@@ -160,7 +160,9 @@ def test_sglang_token_in_request_is_native_generate() -> None:
 
 
 def test_sglang_chat_request_asks_for_both_id_sources() -> None:
-    body, overridden = sglang.chat_body({"messages": [], "stream": True}, "m", {"top_k": -1})
+    body, overridden = sglang.SGLang().chat_body(
+        {"messages": [], "stream": True}, "m", {"top_k": -1}
+    )
     assert body["return_token_ids"] and body["return_meta_info"] and body["logprobs"]
     assert body["stream"] is False and body["top_k"] == -1 and overridden == ("top_k",)
 
@@ -172,7 +174,7 @@ def test_the_family_comes_from_owned_by() -> None:
     assert family_of_models([{"id": "m", "owned_by": "vllm"}]) == "vllm"
     assert family_of_models([{"id": "m", "owned_by": "sglang"}]) == "sglang"
     assert family_of_models([{"id": "m", "owned_by": "someone"}]) is None
-    assert set(ADAPTERS) == {"vllm", "sglang"}
+    assert set(FAMILIES) == {"vllm", "sglang"}
 
 
 @pytest.mark.parametrize(

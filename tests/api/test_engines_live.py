@@ -17,9 +17,9 @@ import httpx
 import pytest
 import yaml
 
+from api.engine.client import UpstreamClient
 from api.engine.probe import EngineRefused, probe
 from api.settings import ServerSettings
-from api.engine.client import UpstreamClient
 from capture.config import TokenIdCaptureConfig
 from tests.support.corrupting_proxy import corrupting_proxy
 from tests.support.fault_loops import Rollout, Tally, harness_client, run_loops, write_script

@@ -12,8 +12,9 @@ import json
 import pytest
 
 from api.dialects import anthropic, chat, responses
-from api.dialects.common import RequestError, item_id
-from api.engine.vllm_stream import Delta
+from api.dialects.common import RequestError
+from api.ids import item_id
+from api.types import Delta
 from tests.support.frontend import sse_events
 
 

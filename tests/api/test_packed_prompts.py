@@ -15,7 +15,7 @@ import pytest
 
 from api.call.capture import call_entry, output_items
 from api.engine import sglang, vllm
-from api.engine.generation import checked_ids, sent_prompt_check
+from api.engine.checks import checked_ids, sent_prompt_check
 from capture.codec.packed import PackedIds, pack_ids
 from capture.context import CallCapture
 from capture.filestore.store import FileTokenStore

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from api.dialects import anthropic
 from api.call.traits import request_traits
+from api.dialects import anthropic
 from capture.build.final_answer import reply_digest
 from capture.filestore.store import FileTokenStore
 from tests.support import dialect_loops

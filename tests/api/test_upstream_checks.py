@@ -22,11 +22,11 @@ import pytest
 from fastapi import FastAPI
 
 from api import jsonbytes
+from api.engine.client import UpstreamClient
 from api.engine.vllm import LOGPROB_PLACEHOLDER
 from api.engine.vllm import predates_token_ids as engine_predates_token_ids
 from api.engine.vllm import read_chat as read_generation
 from api.settings import ServerSettings
-from api.engine.client import UpstreamClient
 from capture.errors import ConfigError
 from tests.support.corrupting_proxy import MODES, CorruptingProxy, corrupting_proxy
 from tests.support.frontend import (
@@ -334,7 +334,9 @@ def _version_app(status: int, body: Any) -> FastAPI:
 async def _legacy_of(url: str) -> tuple[bool, bool | None]:
     client = UpstreamClient(url)
     try:
-        return await client.legacy_engine(), client._legacy
+        await client.learn()
+        legacy = getattr(client.adapter, "legacy", None)
+        return bool(legacy), legacy
     finally:
         await client.close()
 
@@ -515,7 +517,7 @@ async def test_a_request_the_engine_dropped_unanswered_is_sent_once_more() -> No
     port = server.sockets[0].getsockname()[1]
     client = UpstreamClient(f"http://127.0.0.1:{port}", model="m")
     try:
-        data = await client._post("/v1/chat/completions", {"model": "m", "messages": []})
+        data = await client.post("/v1/chat/completions", {"model": "m", "messages": []})
     finally:
         await client.close()
         server.close()

@@ -9,8 +9,8 @@ import asyncio
 import base64
 import logging
 
-from api.engine.generation import Generation, UpstreamError
 from api.engine.client import UpstreamClient, where, without_credentials
+from api.engine.generation import Generation, UpstreamError
 from tests.support.frontend import engine_server
 from tests.support.servers import free_port
 

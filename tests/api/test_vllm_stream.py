@@ -4,7 +4,8 @@ whole reply the stream adds up to, checked as a non-streamed reply is."""
 from __future__ import annotations
 
 from api.engine import vllm
-from api.engine.vllm_stream import StreamedChat, finished, sse_data
+from api.engine.http import sse_data
+from api.engine.vllm_stream import StreamedChat, finished
 
 
 def chunk(delta: dict, ids: list[int], **extra: object) -> dict:

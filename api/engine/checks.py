@@ -1,0 +1,142 @@
+"""The engine-independent checks of the fail-closed rules, shared by every adapter.
+
+Each adapter reads its own fields (which fields, which placeholders) and then calls these:
+
+- the id counts equal ``usage.prompt_tokens`` and ``usage.completion_tokens`` when the engine
+  reports them;
+- each log-prob is a number, finite and <= 0;
+- a reply that served text, reasoning or a tool call has generated ids;
+- ids are integers >= 0, below the vocabulary size when it is configured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy
+
+from api.engine.generation import Generation, served, with_changes
+from capture.codec.packed import pack_ids
+
+
+def logprob_problem(value: Any) -> str | None:
+    """Why one log-prob value is not usable; float() alone would accept "-0.5" or NaN."""
+    if value is None:
+        return "is null: the engine had no log-prob for this step"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is {value!r}, not a JSON number"
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        finite = False
+    if not finite:
+        return f"is {value!r}, not finite"
+    if value > 0:
+        return f"is {value!r}; a log-probability is at most 0"
+    return None
+
+
+def bad_id(what: str, ids: list[Any], vocab_size: int | None) -> str | None:
+    """Why a list of ids holds something that is no token (see ``checked_ids``)."""
+    return checked_ids(what, ids, vocab_size)[1]
+
+
+def checked_ids(
+    what: str, ids: list[Any], vocab_size: int | None
+) -> tuple[bytes | None, str | None]:
+    """The ids packed little-endian uint32, or why one is no token; C-speed passes for the
+    good case.
+
+    Packing to unsigned 32-bit refuses anything negative or beyond any vocabulary, and the
+    largest id is read off the packed buffer: 0.5 ms at 16k ids instead of 1.3 ms for a
+    Python-level ``min`` and ``max``. The type count keeps booleans out (they would pack).
+    The packed bytes are the codec's own form of the ids (``capture.codec.packed``).
+    """
+    if list(map(type, ids)).count(int) == len(ids):
+        try:
+            packed = pack_ids(ids)
+        except ValueError:
+            pass  # negative or 2**32 and beyond: the loop below names it
+        else:
+            largest = int(numpy.frombuffer(packed, dtype="<u4").max()) if ids else -1
+            if vocab_size is None or largest < vocab_size:
+                return packed, None
+    for position, token_id in enumerate(ids):
+        if type(token_id) is not int or token_id < 0:
+            return None, f"{what} id {position} is {token_id!r}, not an integer >= 0"
+        if vocab_size is not None and token_id >= vocab_size:
+            return None, (
+                f"{what} id {position} is {token_id}, not below the vocabulary size "
+                f"{vocab_size} (model_server.vocab_size)"
+            )
+        if token_id >= 2**32:
+            return None, f"{what} id {position} is {token_id}, beyond any vocabulary (2**32)"
+    return None, f"{what} ids could not be packed"  # not reached: the loop names the id
+
+
+def count_problem(what: str, count: int, usage: Mapping[str, Any], key: str) -> str | None:
+    """The engine's own count disagrees with the ids it returned: they were cut or shifted."""
+    reported = usage.get(key)
+    if reported is None:
+        return None  # this engine does not report usage
+    if type(reported) is not int:
+        return f"usage.{key} is {reported!r}, not an integer"
+    if reported != count:
+        return (
+            f"the engine returned {count} {what} ids but counted usage.{key}={reported}; "
+            "the ids are not the sequence it processed"
+        )
+    return None
+
+
+def prompt_check(
+    ids: Any, usage: Mapping[str, Any], vocab_size: int | None = None, *, missing: str = ""
+) -> tuple[bytes | None, str | None]:
+    """The prompt ids packed when they can be trusted, else why not; ``missing`` says what
+    an absent list means."""
+    if ids is None:
+        return None, missing or "the engine returned no prompt ids"
+    if not isinstance(ids, list):
+        return None, "the prompt ids are not a list"
+    if not ids:
+        return None, "the prompt ids are empty; a rendered chat prompt has tokens"
+    packed, problem = checked_ids("prompt", ids, vocab_size)
+    problem = problem or count_problem("prompt", len(ids), usage, "prompt_tokens")
+    return (packed, None) if problem is None else (None, problem)
+
+
+def sent_prompt_check(ids: list[int], usage: Mapping[str, Any]) -> tuple[bytes | None, str | None]:
+    """The prompt of a token-in call packed when it can be trusted, else why not.
+
+    The front end built these ids itself, so only the engine's own count of them is read;
+    a vocabulary other than the engine's is refused once, at start-up (``api.engine.probe``).
+    """
+    if not ids:
+        return None, "the prompt ids are empty; a rendered chat prompt has tokens"
+    problem = count_problem("prompt", len(ids), usage, "prompt_tokens")
+    if problem is not None:
+        return None, problem
+    try:
+        return pack_ids(ids), None
+    except (ValueError, TypeError) as exc:  # an id beyond uint32, or not an integer
+        return None, f"the prompt ids sent do not pack: {exc}"
+
+
+def generation_problem(generation: Generation, vocab_size: int | None) -> str | None:
+    """Generated ids in the vocabulary, present for what was served, and as many as counted."""
+    ids = generation.generation_token_ids or []
+    problem = bad_id("generated", ids, vocab_size)
+    if problem is None and not ids and served(generation):
+        problem = (
+            f"the engine returned no generated ids but served {served(generation)}; "
+            "what the harness was told has no tokens to train on"
+        )
+    return problem or count_problem("generated", len(ids), generation.usage, "completion_tokens")
+
+
+def finish(generation: Generation, problem: str | None, vocab_size: int | None) -> Generation:
+    """The generation after the shared generated-id checks, voided on the first problem."""
+    problem = problem or generation_problem(generation, vocab_size)
+    return generation if problem is None else with_changes(generation, ids_problem=problem)
