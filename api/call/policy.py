@@ -24,7 +24,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from api.edge.body import BodyError, parse_json_object
+from api.edge.errors import plain_error
+from api.edge.json_body import BodyError, parse_json_object
 from api.engine.generation import Generation, with_changes
 
 log = logging.getLogger(__name__)
@@ -78,22 +79,20 @@ def version_problem(body: Any) -> str | None:
 async def policy_version_route(request: Request) -> Response:
     """``GET`` names the version new calls are stamped with; ``PUT`` sets it."""
     if "tokcap_rollout_id" in request.scope:  # a rollout's path: never the trainer's route
-        return JSONResponse({"error": "not found"}, status_code=404)
-    policy: PolicyVersion = request.app.state.policy
+        return plain_error(404, "not found")
+    policy: PolicyVersion = request.app.state.front_end.policy
     if request.method == "PUT":
         try:
             body: Any = parse_json_object(await request.body())
         except BodyError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+            return plain_error(400, str(exc))
         problem = version_problem(body)
         if problem is not None:
-            return JSONResponse({"error": problem}, status_code=400)
+            return plain_error(400, problem)
         try:
             await policy.set(str(body["version"]))
         except Exception as exc:
-            return JSONResponse(
-                {"error": f"the store did not take it ({type(exc).__name__})"}, status_code=503
-            )
+            return plain_error(503, f"the store did not take it ({type(exc).__name__})")
     elif policy.shared:
         with contextlib.suppress(Exception):
             await policy.refresh()

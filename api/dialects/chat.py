@@ -9,7 +9,7 @@ message only: no log-probs and no token ids reach the harness.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from api.dialects.common import (
@@ -24,6 +24,7 @@ from api.ids import new_id
 from api.types import Delta, ServedCall
 
 NAME = "chat"
+PATH = "/v1/chat/completions"
 
 # Request fields forwarded upstream as sent (sampling and rendering, not capture).
 PASSED = (
@@ -248,8 +249,3 @@ def events(reply: Mapping[str, Any], body: Mapping[str, Any], opened: bool) -> l
     for index, call in enumerate(message.get("tool_calls") or []):
         sent.append(_chunk(head, body, {"tool_calls": [{"index": index, **call}]}))
     return [*sent, *_ending(reply, body)]
-
-
-def stream(reply: Mapping[str, Any], body: Mapping[str, Any]) -> Iterator[bytes]:
-    """A role chunk, reasoning, content, one chunk per tool call, the finish, then [DONE]."""
-    yield from events(reply, body, opened=False)

@@ -1,4 +1,4 @@
-"""What a client may send: bounded bodies, bounded bytes in flight, bounded time, sane JSON.
+"""What a client may send: bounded bodies, bounded bytes in flight, bounded time.
 
 Anything a client sends gets a clear 4xx (or a retryable 503 when the server is merely
 busy), never a 500 or a memory blow-up. ``BodyLimit`` reads each request body before the
@@ -8,46 +8,20 @@ byte into several bytes of Python objects; a body that has not arrived after
 ``body_timeout_s`` is cut with a 408. A body counts until the app has translated it and
 calls ``release_body`` (``RELEASE_KEY`` in the scope), not while the call waits on the
 engine: by then what the call holds is the request it sent, about the body's size, and
-the engine, not this guard, decides how many calls wait at once. ``parse_json_object`` then refuses what the stdlib
-parser accepts but nothing downstream can use: nesting beyond ``MAX_JSON_DEPTH`` and lone
-surrogates (which cannot be encoded to send upstream).
+the engine, not this guard, decides how many calls wait at once. The body is then parsed
+by ``api.edge.json_body``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from typing import Any
 
-from api import jsonbytes
+from api.edge.errors import RETRY_HEADERS, send_edge_error
 from api.types import ASGIApp, Message, Receive, Scope, Send
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 RELEASE_KEY = "tokcap.release_body"
-MAX_JSON_DEPTH = 128
-RETRY_HEADERS = {"retry-after": "1", "x-should-retry": "true"}
-# Only a \u escape can produce a surrogate (raw surrogate bytes are invalid UTF-8).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-class BodyError(ValueError):
-    """A request body that cannot be served; the message says why, for a 400."""
-
-
-def error_bytes(kind: str, message: str) -> bytes:
-    """An error body both SDKs read: Anthropic reads error.type, OpenAI error.message."""
-    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-
-
-async def send_error(
-    send: Send, status: int, kind: str, message: str, headers: dict[str, str] | None = None
-) -> None:
-    body = error_bytes(kind, message)
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(name.encode(), value.encode()) for name, value in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
 
 
 class _Refused(Exception):
@@ -98,7 +72,7 @@ class BodyLimit:
             await self.app(scope, replay, send)
         except _Refused as refused:
             headers = RETRY_HEADERS if refused.status == 503 else None
-            await send_error(send, refused.status, refused.kind, refused.message, headers)
+            await send_edge_error(send, refused.status, refused.kind, refused.message, headers)
         finally:
             release()
 
@@ -145,41 +119,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": held.pop(), "more_body": False}
 
     return replay
-
-
-def _check_shape(value: Any, check_strings: bool) -> None:
-    """Depth within MAX_JSON_DEPTH and, when asked, every string encodable (no recursion)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = [*item.keys(), *item.values()] if check_strings else item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            if check_strings and isinstance(item, str):
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise BodyError("request body holds a lone UTF-16 surrogate") from None
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
-        stack.extend((child, depth + 1) for child in children)
-
-
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a ``BodyError`` that says what is wrong with it."""
-    try:
-        body = jsonbytes.loads_stdlib(raw)
-    except RecursionError:
-        raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:  # invalid JSON or invalid UTF-8
-        raise BodyError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
-    _check_shape(body, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
-    return body
 
 
 def release_body(scope: Scope) -> None:

@@ -1,4 +1,4 @@
-"""Whether the harness hung up before its reply: one look at the ASGI receive channel.
+"""Whether the harness hung up: one look at the ASGI receive channel, or a wait for it.
 
 Starlette's ``Request.is_disconnected`` opens and cancels an anyio cancel scope to poll the
 channel, about 0.5 ms of CPU a call at the front end's rate. Here the poll is one task that
@@ -22,3 +22,9 @@ async def client_gone(request: Request) -> bool:
     if poll.cancelled() or poll.exception() is not None:
         return True  # the channel is closed: nobody is reading the reply
     return poll.result().get("type") == "http.disconnect"
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the harness closed its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

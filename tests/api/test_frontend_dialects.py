@@ -224,7 +224,7 @@ def test_anthropic_stream_replays_the_reply_block_by_block() -> None:
         "stop_sequence": None,
         "usage": {"input_tokens": 7, "output_tokens": 5},
     }
-    events = sse_events(b"".join(anthropic.stream(reply, {})).decode())
+    events = sse_events(b"".join(anthropic.events(reply, {}, opened=False)).decode())
     assert [name for name, _ in events] == [
         "message_start",
         "content_block_start",

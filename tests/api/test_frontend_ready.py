@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from api.app import READY_TIMEOUT_S
+from api.edge.status import READY_TIMEOUT_S
 from api.settings import ServerSettings
 from capture.config import TokenIdCaptureConfig
 from tests.support.frontend import both_servers, engine_server, file_store_settings, front_end

@@ -1,0 +1,151 @@
+"""A call's work, as a task of its own: the engine, then the capture.
+
+The handler watches the harness while this runs (``api.call.serve``), so a harness that
+hangs up before the engine answered cancels the engine request (closing the connection is
+how vLLM and SGLang abort one): the call's intent is voided and it counts as
+``abandoned``. One that hangs up after lets the capture finish, and the call is noted
+unreceived (``CallWork.abandon``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.call.capture import capture
+from api.call.policy import stamped
+from api.call.traits import with_traits
+from api.edge.metrics import FrontEndMetrics
+from api.engine.generation import Generation, UpstreamError
+from api.prompts.faithful import Prompt
+from api.state import FrontEnd
+from api.types import Delta, ServedCall
+from capture.context import CallCapture, begin_call, current_call, resolve_unserved, void_call
+
+
+@dataclass
+class Failed:
+    """The engine gave no usable reply: what the harness is told."""
+
+    status: int
+    message: str
+
+
+@dataclass
+class CallWork:
+    """The call's work as a task, whether it is still waiting on the engine, and (relayed)
+    the deltas the engine sampled so far, set ``started`` by the first of them."""
+
+    call: CallCapture | None
+    deltas: asyncio.Queue[Delta] | None = None
+    generating: bool = True
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[ServedCall | Failed] = field(init=False)
+
+    def abandon(self, metrics: FrontEndMetrics) -> None:
+        """The harness left: cancel the engine request, or once the capture is done, note
+        the reply unreceived. Nothing here waits: it may run in a cancelled stream."""
+        if not self.task.done() and self.generating:
+            self.task.cancel()
+            return
+        reason = "the client left before the reply, or the stream's final event"
+        call = self.call
+
+        def unserved(task: asyncio.Task[Any]) -> None:
+            outcome = None if task.cancelled() else task.result()
+            if isinstance(outcome, ServedCall) and outcome.outcome != "unrecorded":
+                metrics.unreceived.inc()
+                resolve_unserved(reason, call)
+
+        if self.task.done():
+            unserved(self.task)
+        else:
+            self.task.add_done_callback(unserved)
+
+
+async def _generate(
+    front: FrontEnd, chat_request: dict[str, Any], prompt: Prompt | None, work: CallWork
+) -> Generation:
+    """One sampled reply: the engine renders the chat request (text mode; relayed, each
+    delta queued for the stream as it arrives), or continues the prompt's ids token-in and
+    the reply is read from the sampled ids (faithful mode)."""
+    if work.deltas is not None:
+        generation = None
+        async for piece in front.upstream.chat_relay(chat_request):
+            if isinstance(piece, Delta):
+                work.deltas.put_nowait(piece)
+                work.started.set()
+            else:
+                generation = piece
+        assert generation is not None, "a relayed call ends with its generation"
+        return generation
+    if prompt is None:
+        return await front.upstream.chat(chat_request)
+    generation = await front.upstream.complete_ids(
+        prompt.ids, prompt.sampling, chat_request.get("model")
+    )
+    assert front.prompts is not None, "a faithful prompt was built by the front end's prompts"
+    return front.prompts.served(prompt, generation)
+
+
+def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
+    """Write the call's intent while the engine works instead of before it.
+
+    The intent does its job if it is durable before the call's reply can reach the harness:
+    a freeze that lands before then sees the call pending, or makes ``begin_call`` fail,
+    which marks the rollout incomplete, exactly as when the intent was written before
+    dispatch. It is awaited before the capture step (so before the entry's put and before
+    any reply), and before voiding a call that failed upstream or was abandoned.
+    Untagged traffic has nothing to write: None.
+    """
+    if current_call() is None:
+        return None
+    return asyncio.ensure_future(begin_call())
+
+
+async def _resolve_intent(intent: asyncio.Future[None] | None) -> None:
+    if intent is not None:
+        await intent
+    await void_call()
+
+
+async def run_call(
+    work: CallWork,
+    front: FrontEnd,
+    dialect: str,
+    chat_request: dict[str, Any],
+    traits: dict[str, Any],
+    prompt: Prompt | None,
+    reply_id: str,
+) -> ServedCall | Failed:
+    """The engine, then the capture; the outcome the harness is answered with."""
+    metrics = front.metrics
+    intent = _begin_call_while_dispatching()
+    dispatched_under = front.policy.current  # a version set while the engine works is not ours
+    started = time.perf_counter()
+    try:
+        with front.collisions.watching(work.call, traits):
+            generation = await _generate(front, chat_request, prompt, work)
+            generation = stamped(with_traits(generation, traits), dispatched_under)
+    except asyncio.CancelledError:  # the harness hung up: nothing reached it
+        await _resolve_intent(intent)
+        metrics.record_call(dialect, "abandoned")
+        raise
+    except Exception as exc:
+        await _resolve_intent(intent)  # nothing reached the harness: not a loss
+        metrics.record_call(dialect, "upstream_error")
+        if isinstance(exc, UpstreamError):
+            return Failed(exc.status, exc.message)
+        return Failed(502, f"upstream call failed: {type(exc).__name__}: {exc}")
+    finally:
+        metrics.upstream_seconds.labels(dialect=dialect).observe(time.perf_counter() - started)
+    work.generating = False
+    if intent is not None:
+        await intent  # durable before the entry, and so before any reply reaches the harness
+    captured = await capture(generation, reply_id)
+    metrics.record_call(dialect, captured.outcome, captured.put_seconds)
+    if captured.outcome == "unrecorded":
+        resolve_unserved("the call was answered 503, or its stream ended with an error")
+    return captured

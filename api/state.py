@@ -1,0 +1,57 @@
+"""What one front-end worker's routes read: its settings, its parts and their metrics.
+
+One typed object on ``app.state.front_end`` instead of loose attributes, so the hop to the
+engine (``upstream``) and the sink are visible to a reader and to type checkers alike. The
+parts a lifespan builds (the upstream client, the prompts, the policy version) are set
+when the worker starts, before any request is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from api.call.collisions import CollisionWatch
+from api.call.policy import PolicyVersion
+from api.edge.metrics import FrontEndMetrics
+from api.edge.prefix import SinkSlot
+from api.engine.client import UpstreamClient
+from api.prompts.faithful import FaithfulPrompts
+from api.settings import ServerSettings
+
+
+@dataclass
+class FrontEnd:
+    """One worker's front end; ``upstream`` and ``policy`` exist once its lifespan began."""
+
+    settings: ServerSettings
+    metrics: FrontEndMetrics
+    slot: SinkSlot
+    collisions: CollisionWatch
+    prompts: FaithfulPrompts | None = None
+    _upstream: UpstreamClient | None = field(default=None, repr=False)
+    _policy: PolicyVersion | None = field(default=None, repr=False)
+
+    @property
+    def upstream(self) -> UpstreamClient:
+        if self._upstream is None:
+            raise RuntimeError("the front end's lifespan has not started: no upstream client")
+        return self._upstream
+
+    @property
+    def policy(self) -> PolicyVersion:
+        if self._policy is None:
+            raise RuntimeError("the front end's lifespan has not started: no policy version")
+        return self._policy
+
+    def started(
+        self, upstream: UpstreamClient, prompts: FaithfulPrompts | None, policy: PolicyVersion
+    ) -> None:
+        self._upstream, self.prompts, self._policy = upstream, prompts, policy
+
+
+def front_end(request: Request) -> FrontEnd:
+    """The front end of the worker serving ``request``."""
+    state: FrontEnd = request.app.state.front_end
+    return state
