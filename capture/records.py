@@ -26,6 +26,8 @@ from capture.routes import Routes, as_routes
 
 SCHEMA_VERSION = 1
 
+# Fields an entry may carry beside the contract's: the request's traits (``capture.traits``).
+TRAITS_FIELD = "request_traits"
 # The three arrays a token-bearing item carries in a served response.
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 

@@ -24,9 +24,8 @@ from typing import Any
 
 import prometheus_client
 
-from capture.build.roots import ANSWERED_BEFORE, TURNS_BEFORE
-from capture.build.segments import is_side_request
 from capture.context import CallCapture
+from capture.traits import ANSWERED_BEFORE, TURNS_BEFORE, is_side_request
 
 log = logging.getLogger("tokcap.frontend")
 

@@ -73,6 +73,20 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     work.task = asyncio.ensure_future(
         run_call(work, front, dialect.NAME, chat_request, traits, prompt, head["id"])
     )
+    return await _answer(request, front, dialect, work, head, body, headers)
+
+
+async def _answer(
+    request: Request,
+    front: FrontEnd,
+    dialect: Dialect,
+    work: CallWork,
+    head: dict[str, Any],
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> Response:
+    """Wait for the call, then answer it: whole, as an error, or as a kept-alive stream."""
+    streamed = body.get("stream") is True
     keepalive_s = front.settings.keepalive_s
     settled = await settle(work, request, keepalive_s if streamed else None)
     if settled == "gone":
@@ -86,16 +100,9 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     if outcome is not None and outcome.outcome == "unrecorded":
         return error_response(dialect, 503, UNAVAILABLE)
     if streamed:
+        metrics, keepalive = front.metrics, {"keepalive_s": keepalive_s, "opened": opened}
         return KeptAliveStream(
-            work,
-            dialect,
-            head,
-            body,
-            request,
-            front.metrics,
-            keepalive_s=keepalive_s,
-            opened=opened,
-            headers=headers,
+            work, dialect, head, body, request, metrics, **keepalive, headers=headers
         )
     assert outcome is not None
     reply = dialect.reply(outcome, body, head)

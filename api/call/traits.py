@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.engine.generation import Generation, with_changes
-from capture.build.final_answer import reply_digest
-from capture.build.projection import content_text
-from capture.build.roots import ANSWERED_BEFORE, OPENING, TURNS_BEFORE, opening_digests
-from capture.build.segments import TRAITS_FIELD
+from capture.items import content_text
+from capture.records import TRAITS_FIELD
+from capture.traits import ANSWERED_BEFORE, OPENING, TURNS_BEFORE, opening_digests, reply_digest
 
 # The CLI's compaction request ("Your task is to create a detailed summary of the
 # conversation so far...") and the first message of the loop that resumes from it. Found

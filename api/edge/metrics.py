@@ -60,6 +60,13 @@ class FrontEndMetrics:
     multiprocess_dir: str | None = field(default_factory=lambda: os.environ.get(MULTIPROC_ENV))
 
     def __post_init__(self) -> None:
+        self._count_calls()
+        self._time_calls()
+        self._count_prompts()
+        self._watch_redis()
+
+    def _count_calls(self) -> None:
+        """Calls by outcome, and the outcomes that matter for training on their own."""
         self.calls = Counter(
             "tokcap_calls",
             "Model calls served, by dialect and outcome",
@@ -84,6 +91,8 @@ class FrontEndMetrics:
             "Calls whose client went away before the reply (or the stream's final event)",
             registry=self.registry,
         )
+
+    def _time_calls(self) -> None:
         self.put_seconds = Histogram(
             "tokcap_capture_put_seconds",
             "Time to extract and durably put one call's entry",
@@ -98,6 +107,8 @@ class FrontEndMetrics:
             registry=self.registry,
         )
 
+    def _count_prompts(self) -> None:
+        """Faithful prompts, and rollout ids two harness runs share."""
         self.faithful_prompts = Counter(
             "tokcap_faithful_prompts",
             "Faithful prompts built: continued (extends a recorded call) or root",
@@ -117,8 +128,10 @@ class FrontEndMetrics:
             "rollout id used by two harness runs?), each counted once per worker",
             registry=self.registry,
         )
-        # Read off the sink's Redis at each scrape and readiness probe; across workers the
-        # latest reading of each server is shown.
+
+    def _watch_redis(self) -> None:
+        """Read off the sink's Redis at each scrape and readiness probe; across workers the
+        latest reading of each server is shown."""
         self.redis_used_memory = Gauge(
             "tokcap_redis_used_memory_bytes",
             "Memory the capture Redis uses (INFO memory used_memory), per server",

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from api.engine.client import UpstreamClient
 from api.engine.generation import UpstreamError
-from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from capture.errors import ConfigError
 
 PROBE_MESSAGES = [{"role": "user", "content": "Reply with one word: ready."}]
@@ -30,6 +29,14 @@ PROBE_MESSAGES = [{"role": "user", "content": "Reply with one word: ready."}]
 CONFIG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 ALTERNATIVES = 5
 SAME = 1e-6  # log-probs this close are the same value
+
+
+class TokenInPrompts(Protocol):
+    """What the token-in probe needs of the faithful prompts (``api.prompts.faithful``)."""
+
+    vocab: Any
+
+    async def build(self, chat_request: Mapping[str, Any]) -> Any: ...
 
 
 class EngineRefused(ConfigError):
@@ -124,7 +131,7 @@ def _visible(text: str, vocab: Any) -> str:
     return text
 
 
-async def probe_token_in(client: UpstreamClient, prompts: FaithfulPrompts) -> None:
+async def probe_token_in(client: UpstreamClient, prompts: TokenInPrompts) -> None:
     """Faithful prompts: the engine takes a token-id prompt and shares the renderer's
     vocabulary (the text it decodes from the ids it sampled is the renderer's decoding)."""
     prompt = await prompts.build({"messages": PROBE_MESSAGES, "max_tokens": 8})
@@ -143,16 +150,13 @@ async def probe_token_in(client: UpstreamClient, prompts: FaithfulPrompts) -> No
         )
 
 
-async def probe(settings: Any, prompts: FaithfulPrompts | None = None) -> EngineReport:
-    """Probe the engine ``settings`` names, with its own short-lived client.
+async def probe_client(client: UpstreamClient, prompts: TokenInPrompts | None) -> EngineReport:
+    """Probe the engine behind ``client`` (and token-in, with faithful ``prompts``).
 
     An engine that cannot be reached is not refused (it may still be starting): the report
-    says the probe was skipped, and every call is checked on its own anyway. ``prompts`` is
-    the faithful prompt builder the caller already loaded, if any (else it is loaded here).
+    says the probe was skipped, and every call is checked on its own anyway. The client is
+    closed after.
     """
-    if prompts is None:
-        prompts = faithful_prompts(settings)  # a renderer that cannot load fails here
-    client = UpstreamClient.from_settings(settings)
     try:
         report = await probe_engine(client)
         if prompts is not None:

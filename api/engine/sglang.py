@@ -166,7 +166,7 @@ def tokens_body(
 
 
 def read_tokens(
-    response: Mapping[str, Any], prompt_ids: list[int], *, vocab_size: int | None = None
+    response: Mapping[str, Any], prompt_ids: list[int], vocab_size: int | None = None
 ) -> Generation:
     """Reduce a ``/generate`` reply; the counts it reports must match what was sent and got."""
     meta = response.get("meta_info") if isinstance(response.get("meta_info"), Mapping) else {}
@@ -239,18 +239,8 @@ class SGLang:
     ) -> Generation:
         return generation
 
-    async def tokenize(self, chat_request: Mapping[str, Any], model: str, post: Post) -> list[int]:
-        return await adapter.tokenize(chat_request, model, post)
-
-    def tokens_body(
-        self, prompt_ids: list[int], model: str, sampling: Mapping[str, Any]
-    ) -> tuple[str, dict[str, Any]]:
-        return tokens_body(prompt_ids, model, sampling)
-
-    def read_tokens(
-        self, response: Mapping[str, Any], prompt_ids: list[int], vocab_size: int | None
-    ) -> Generation:
-        return read_tokens(response, prompt_ids, vocab_size=vocab_size)
-
-    def read_routes(self, response: Mapping[str, Any], moe: Any) -> Routes | None:
-        return read_routes(response, moe)
+    # The module's own readers, as they are: they need nothing learned of the engine.
+    tokenize = staticmethod(adapter.tokenize)
+    tokens_body = staticmethod(tokens_body)
+    read_tokens = staticmethod(read_tokens)
+    read_routes = staticmethod(read_routes)

@@ -196,7 +196,7 @@ def tokens_body(
 
 
 def read_tokens(
-    response: Mapping[str, Any], prompt_ids: list[int], *, vocab_size: int | None = None
+    response: Mapping[str, Any], prompt_ids: list[int], vocab_size: int | None = None
 ) -> Generation:
     """Reduce a token-in completion; its prompt ids must be exactly the ones sent."""
     choices = response.get("choices")
@@ -302,18 +302,8 @@ class VLLM:
             return with_changes(generation, ids_problem=f"/tokenize: {problem}")
         return with_changes(generation, prompt_token_ids=prompt_ids, prompt_packed=packed)
 
-    async def tokenize(self, chat_request: Mapping[str, Any], model: str, post: Post) -> list[int]:
-        return await adapter.tokenize(chat_request, model, post)
-
-    def tokens_body(
-        self, prompt_ids: list[int], model: str, sampling: Mapping[str, Any]
-    ) -> tuple[str, dict[str, Any]]:
-        return tokens_body(prompt_ids, model, sampling)
-
-    def read_tokens(
-        self, response: Mapping[str, Any], prompt_ids: list[int], vocab_size: int | None
-    ) -> Generation:
-        return read_tokens(response, prompt_ids, vocab_size=vocab_size)
-
-    def read_routes(self, response: Mapping[str, Any], moe: Any) -> Routes | None:
-        return read_routes(response, moe)
+    # The module's own readers, as they are: they need nothing learned of the engine.
+    tokenize = staticmethod(adapter.tokenize)
+    tokens_body = staticmethod(tokens_body)
+    read_tokens = staticmethod(read_tokens)
+    read_routes = staticmethod(read_routes)

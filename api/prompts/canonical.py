@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from capture.build.projection import content_text
+from capture.items import content_text
 
 KEY_BYTES = 16
 

@@ -11,49 +11,11 @@ history, and the digest names the call that sampled it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from capture.build.projection import chat_message_to_items, content_text, is_chat_message
-
-Signature = tuple[str, ...]
-
-_ANSWER_ROLES = (None, "assistant")
-
-
-def normalize_text(text: str) -> str:
-    """Collapse runs of whitespace, so a re-wrapped answer still matches."""
-    return " ".join(text.split())
-
-
-def canonical_arguments(arguments: Any) -> str:
-    """Tool arguments as canonical JSON when they parse; the stripped string otherwise."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return arguments.strip()
-    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def item_signature(item: Any) -> Signature | None:
-    """The signature of one Responses item, or None when it is not an answer."""
-    if not isinstance(item, Mapping):
-        return None
-    kind = item.get("type")
-    if kind == "message" and item.get("role") in _ANSWER_ROLES:
-        text = normalize_text(content_text(item.get("content")))
-        return ("text", text) if text else None
-    if kind in ("output_text", "text"):
-        text = normalize_text(str(item.get("text") or ""))
-        return ("text", text) if text else None
-    if kind == "function_call":
-        return ("tool", str(item.get("name") or ""), canonical_arguments(item.get("arguments")))
-    if kind == "tool_use":  # an Anthropic content block handed over as an item
-        return ("tool", str(item.get("name") or ""), canonical_arguments(item.get("input")))
-    return None
+from capture.items import chat_message_to_items, is_chat_message
+from capture.traits import Signature, item_signature, normalize_text
 
 
 def answer_signature(answer: Any) -> Signature | None:
@@ -74,20 +36,3 @@ def answer_signature(answer: Any) -> Signature | None:
             if signature is not None:
                 return signature
     return None
-
-
-def reply_signature(reply: Any) -> tuple[Signature, ...]:
-    """Every answer item of one reply, in order: a Chat message, or a call's output items."""
-    if is_chat_message(reply):
-        reply = chat_message_to_items(reply)
-    if not isinstance(reply, (list, tuple)):
-        return ()
-    return tuple(s for s in map(item_signature, reply) if s is not None)
-
-
-def reply_digest(reply: Any) -> str | None:
-    """A short digest of ``reply_signature``; None for a reply with no text or tool call."""
-    signature = reply_signature(reply)
-    if not signature:
-        return None
-    return hashlib.blake2b(json.dumps(signature).encode(), digest_size=8).hexdigest()

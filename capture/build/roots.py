@@ -30,54 +30,23 @@ what cannot be told is not held against them.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture.build.final_answer import reply_digest
-from capture.build.projection import content_text
-from capture.build.segments import is_side_request, traits
+from capture.items import content_text
 from capture.records import TokenEntry
-
-TURNS_BEFORE = "turns_before"  # assistant turns the request carried
-ANSWERED_BEFORE = "answered_before"  # reply_digest of the last of them, or None
-OPENING = "opening"  # line digests of the first user message (conversation starts only)
-# Enough for an opening message with a long instruction file in it; the entry stays small
-# (256 x 12 hex digits), since only a conversation's first call records them.
-MAX_OPENING_LINES = 256
-# Lines shorter than this say too little to relate two conversations ("Done.", "dir-3").
-MIN_LINE_CHARS = 16
-_TAG = re.compile(r"</?[A-Za-z][\w.-]*(?:\s[^<>]*)?/?>")
-
-
-def _digests(text: str) -> Iterator[str]:
-    """One short digest per line worth comparing, markup tags and spacing aside; read line
-    by line, so a reader that needs only the first few stops early."""
-    for raw in text.splitlines():
-        if len(raw) < MIN_LINE_CHARS:
-            continue  # too short for any line in it to count
-        for line in _TAG.sub("\n", raw).splitlines() if "<" in raw else (raw,):
-            words = " ".join(line.split())
-            if len(words) >= MIN_LINE_CHARS:
-                yield hashlib.blake2b(words.encode(), digest_size=6).hexdigest()
-
-
-def line_digests(text: str) -> list[str]:
-    return list(_digests(text))
-
-
-def opening_digests(text: str) -> list[str]:
-    """The line digests a conversation start records of its first user message: the first
-    ``MAX_OPENING_LINES`` distinct ones (the rest of a long message is not read)."""
-    found: dict[str, None] = {}
-    for digest in _digests(text):
-        found[digest] = None
-        if len(found) == MAX_OPENING_LINES:
-            break
-    return list(found)
+from capture.traits import (
+    ANSWERED_BEFORE,
+    OPENING,
+    TAG,
+    TURNS_BEFORE,
+    is_side_request,
+    line_digests,
+    reply_digest,
+    traits,
+)
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -106,7 +75,7 @@ def sampled_pieces(entry: TokenEntry) -> list[list[str]]:
                 texts.extend(_strings(json.loads(item.get("arguments") or "null")))
             except (TypeError, ValueError):
                 texts.append(str(item.get("arguments") or ""))
-    sections = [section for text in texts for section in _TAG.split(text)]
+    sections = [section for text in texts for section in TAG.split(text)]
     return [digests for digests in map(line_digests, sections) if digests]
 
 

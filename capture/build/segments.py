@@ -16,15 +16,15 @@ main chain's), else ``other``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from capture.build.projection import project_chain
 from capture.errors import ConfigError
 from capture.records import TokenEntry
+from capture.traits import is_side_request, traits
 
-TRAITS_FIELD = "request_traits"
 SEGMENTS_KEY = "_ng_token_segments"
 # What a rebuild delivers: the main chain only, or every other chain too, as segments.
 Delivery = Literal["chain", "segments"]
@@ -58,17 +58,6 @@ class Segment:
             "output": project_chain(self.calls),
             "metrics": {"n_calls": len(self.calls), "generated_tokens": self.generated_tokens},
         }
-
-
-def traits(entry: TokenEntry) -> dict[str, Any]:
-    found = (entry.model_extra or {}).get(TRAITS_FIELD)
-    return found if isinstance(found, dict) else {}
-
-
-def is_side_request(found: Mapping[str, Any]) -> bool:
-    """A request of the shape harnesses send beside their loop: a title (a JSON-schema
-    answer with no tools), from its traits."""
-    return bool(found.get("structured_output")) and not found.get("n_tools")
 
 
 def role_of(first: TokenEntry, last: TokenEntry, main_root: TokenEntry | None) -> str:

@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from api.engine.client import UpstreamClient
-from api.engine.probe import EngineRefused, probe
+from api.engine.probe import EngineRefused
 from api.settings import ServerSettings
+from api.startup import probe
 from capture.config import TokenIdCaptureConfig
 from tests.support.corrupting_proxy import corrupting_proxy
 from tests.support.fault_loops import Rollout, Tally, harness_client, run_loops, write_script

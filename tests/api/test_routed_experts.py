@@ -20,8 +20,9 @@ import httpx
 import numpy
 import pytest
 
-from api.engine.probe import EngineRefused, probe
+from api.engine.probe import EngineRefused
 from api.settings import ServerSettings
+from api.startup import probe
 from capture.codec.views import json_default
 from capture.routes import Routes
 from capture.samples import training_samples

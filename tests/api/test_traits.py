@@ -7,8 +7,8 @@ from pathlib import Path
 
 from api.call.traits import request_traits
 from api.dialects import anthropic
-from capture.build.final_answer import reply_digest
 from capture.filestore.store import FileTokenStore
+from capture.traits import reply_digest
 from tests.support import dialect_loops
 from tests.support.frontend import both_servers, run
 

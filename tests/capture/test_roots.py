@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from capture.build.builder import run_builder
-from capture.build.roots import carries, line_digests, opening_digests, sampled_pieces
+from capture.build.roots import carries, sampled_pieces
 from capture.records import TokenEntry
+from capture.traits import line_digests, opening_digests
 from tests.support.chains import chain_entries, entry, fresh, full, loop, message, stamp
 
 

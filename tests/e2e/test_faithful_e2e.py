@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from api.engine.probe import EngineRefused, probe
+from api.engine.probe import EngineRefused
 from api.settings import ServerSettings
+from api.startup import probe
 from capture.config import TokenIdCaptureConfig
 from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import FileTokenStore

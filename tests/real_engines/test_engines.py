@@ -19,9 +19,9 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from api.engine.probe import probe
 from api.prompts.vocab import qwen3_tokenizer
 from api.settings import ServerSettings
+from api.startup import probe
 from capture.config import TokenIdCaptureConfig
 from tests.real_engines.conftest import RealEngine
 from tests.real_engines.recording_proxy import recording_proxy

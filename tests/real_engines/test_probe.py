@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from api.engine.probe import EngineRefused, probe
+from api.engine.probe import EngineRefused
 from api.settings import ServerSettings
+from api.startup import probe
 from tests.real_engines.conftest import build_model, ensure_sglang, running_sglang, running_vllm
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]

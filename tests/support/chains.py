@@ -5,9 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from capture.build.final_answer import reply_digest
-from capture.build.roots import opening_digests
 from capture.records import TokenEntry
+from capture.traits import opening_digests, reply_digest
 
 SYSTEM = [11, 12, 13, 14]
 _fresh = itertools.count(1000)

@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from api.edge.metrics import MULTIPROC_ENV
-from api.engine.probe import probe
+from api.engine.client import where
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.settings import ENV_CONFIG, ServerSettings, settings_from_environment
-from api.engine.client import where
+from api.startup import probe
 from capture.errors import ConfigError, TokenCaptureError
 from capture.protocols import StartupCheck
 from tokcap.help import verb_main
