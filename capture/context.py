@@ -5,12 +5,13 @@ once the upstream answered. Untagged traffic has no context and every function h
 a no-op. Nothing here raises into the model call.
 
 A reply may reach the harness only over a durable record: the call's entry, or the loss of
-it. So every write is retried with backoff until the call's ``timeout_s`` runs out: the put
-alone for the first ``PUT_SHARE`` of it, then the loss mark, each attempt of which tries the
-put once more first: a store that comes back inside the window gets the entry, not a loss
-that would mask the rollout. When neither lands, the call is ``unrecorded`` and
-the front end answers a retryable 503 instead of the reply; its note that the reply went
-unreceived is then written in the background, once the sink answers again.
+it. So every write is retried with backoff (``capture.outage``) until the call's
+``timeout_s`` runs out: the put alone for the first ``PUT_SHARE`` of it, then the loss mark,
+each attempt of which tries the put once more first: a store that comes back inside the
+window gets the entry, not a loss that would mask the rollout. When neither lands, the call
+is ``unrecorded`` and the front end answers a retryable 503 instead of the reply; its note
+that the reply went unreceived is then written in the background, once the sink answers
+again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from capture.errors import ConflictingEntryError, RolloutFrozenError
 from capture.extract import entry_from_response
+from capture.outage import Backoff, OutageOutlasted, retry_through_outage
 from capture.protocols import TokenSink
 from capture.records import TokenEntry
 
@@ -37,8 +39,8 @@ DEFAULT_CAPTURE_TIMEOUT_S = 10.0
 UNSERVED_RETRY_S = 120.0
 # The share of a call's timeout in which only the put is tried; then the loss mark too.
 PUT_SHARE = 0.5
-_FIRST_BACKOFF_S = 0.05
-_MAX_BACKOFF_S = 1.0
+# A failed write is tried again after 50 ms, doubling up to 1 s, until its deadline.
+_BACKOFF = Backoff(first_s=0.05, most_s=1.0)
 # Errors that say the write was decided, not that it failed to happen: never retried.
 _DECIDED = (RolloutFrozenError, ConflictingEntryError)
 
@@ -100,23 +102,24 @@ async def retry_until(write: Callable[[], Awaitable[Any]], until: float) -> Exce
 
     Returns None on success, else the last error. Each attempt is cut at ``until``, so a
     stalled sink cannot hold the call longer. A frozen rollout or a conflicting payload is
-    an answer, not an outage: raised at once.
+    an answer, not an outage: raised at once. Any other error is an outage of the sink.
     """
-    backoff = _FIRST_BACKOFF_S
-    while True:
+
+    async def attempt() -> None:
         remaining = until - time.monotonic()
-        try:
-            await asyncio.wait_for(write(), timeout=max(remaining, 0.001))
-            return None
-        except _DECIDED:
-            raise
-        except Exception as exc:  # any outage of the sink: try again while time remains
-            last: Exception = exc
+        await asyncio.wait_for(write(), timeout=max(remaining, 0.001))
+
+    def pause_after(failures: int) -> float | None:
         remaining = until - time.monotonic()
-        if remaining <= 0:
-            return last
-        await asyncio.sleep(min(backoff, remaining))
-        backoff = min(backoff * 2, _MAX_BACKOFF_S)
+        return min(_BACKOFF.after(failures), remaining) if remaining > 0 else None
+
+    try:
+        await retry_through_outage(
+            attempt, is_outage=lambda exc: not isinstance(exc, _DECIDED), pause_after=pause_after
+        )
+    except OutageOutlasted as outlasted:
+        return outlasted.last
+    return None
 
 
 def _describe(exc: BaseException) -> str:

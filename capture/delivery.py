@@ -205,34 +205,58 @@ async def finalize_rollout_token_capture(
             return RolloutBuild(rollout_id=rollout_id, status="skipped")
         rollout_id = record_rollout_id(result, rollout_id)
         snapshot = await _freeze(source, rollout_id)
-        build = run_builder(snapshot, final_answer=output, delivery=delivery)
-        if build.rollout_id != rollout_id:
-            raise TokenCaptureError(
-                f"source returned a snapshot of rollout {build.rollout_id!r} for {rollout_id!r}"
-            )
-        reasons = _mask_reasons(snapshot, build, min_delivered_fraction)
-        if current_policy_version is None:
-            current_policy_version = result.get(CURRENT_VERSION_KEY)
-        summary = RolloutSummary.of_build(
-            build,
-            capture_incomplete=bool(snapshot.incomplete),
-            mask_reasons=reasons,
-            current_policy_version=current_policy_version,
-        )
-        if not reasons:
-            result["response"]["output"] = list(build.output)
-            if delivery == "segments":
-                result[SEGMENTS_KEY] = [segment.as_dict() for segment in build.segments]
-        _mark(result, bool(reasons), summary)
-        return RolloutBuild(
-            rollout_id=rollout_id,
-            status="masked" if reasons else "ok",
-            snapshot_id=snapshot.snapshot_id,
-            version=snapshot.version,
-            summary=summary,
+        build = _rebuild(snapshot, rollout_id, output, delivery)
+        return _attach(
+            result, snapshot, build, delivery, min_delivered_fraction, current_policy_version
         )
     except Exception as exc:  # finalize never raises: the error is a masked record
         return _failed(result, rollout_id, snapshot, exc)
+
+
+def _rebuild(
+    snapshot: TokenCaptureSnapshot, rollout_id: str, output: list[Any], delivery: Delivery
+) -> BuildResult:
+    """The build of the snapshot, its main chain chosen by the record's final ``output``."""
+    build = run_builder(snapshot, final_answer=output, delivery=delivery)
+    if build.rollout_id != rollout_id:
+        raise TokenCaptureError(
+            f"source returned a snapshot of rollout {build.rollout_id!r} for {rollout_id!r}"
+        )
+    return build
+
+
+def _attach(
+    result: MutableMapping[str, Any],
+    snapshot: TokenCaptureSnapshot,
+    build: BuildResult,
+    delivery: Delivery,
+    min_delivered_fraction: float | None,
+    current_policy_version: str | int | None,
+) -> RolloutBuild:
+    """Put the build on the record: its output (and segments) unless masked, then always
+    its metrics and mask. The policy version lag counts from the record's own word on the
+    current version unless ``current_policy_version`` gives one."""
+    reasons = _mask_reasons(snapshot, build, min_delivered_fraction)
+    if current_policy_version is None:
+        current_policy_version = result.get(CURRENT_VERSION_KEY)
+    summary = RolloutSummary.of_build(
+        build,
+        capture_incomplete=bool(snapshot.incomplete),
+        mask_reasons=reasons,
+        current_policy_version=current_policy_version,
+    )
+    if not reasons:
+        result["response"]["output"] = list(build.output)
+        if delivery == "segments":
+            result[SEGMENTS_KEY] = [segment.as_dict() for segment in build.segments]
+    _mark(result, bool(reasons), summary)
+    return RolloutBuild(
+        rollout_id=build.rollout_id,
+        status="masked" if reasons else "ok",
+        snapshot_id=snapshot.snapshot_id,
+        version=snapshot.version,
+        summary=summary,
+    )
 
 
 def _failed(

@@ -18,7 +18,8 @@ delivered, and several roots mask the rollout: a stranger's call or a title call
 become the delivered chain by arriving first. Other chains (titles, compaction summaries,
 sub-agents) are reported, never silently dropped. A call whose reply the harness never
 received (``snapshot.unreceived``) is left out unless a later call extends it, and counted.
-The links themselves, and what they cost, are ``capture.build.graph``'s.
+Linking the calls and choosing the main leaf are ``capture.build.linking``'s; the links
+themselves, and what they cost, ``capture.build.graph``'s.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture.build.final_answer import answer_signature
-from capture.build.graph import Graph, build_graph, link, path_to, settle_retries
+from capture.build.graph import Graph, path_to
+from capture.build.linking import LinkedCalls, link_calls
 from capture.build.projection import flat_ids_and_mask, project_chain
 from capture.build.roots import RootCheck, check_roots
 from capture.build.segments import Segment, checked_delivery, role_of, segments_of
-from capture.codec.views import IdView
 from capture.errors import ConflictingEntryError
 from capture.lineage import FALLBACK_FIELD
 from capture.records import TokenEntry
@@ -214,66 +214,63 @@ def run_builder(
     checked_delivery(delivery)
     rollout_id, entries = _entries_of(entries_or_snapshot)
     entries = _unique(entries)
-    empty = tuple(sorted(e.model_call_id for e in entries if not e.generation_token_ids))
-    calls = sorted(
-        (e for e in entries if e.generation_token_ids),
-        key=lambda e: (len(e.prompt_token_ids), e.model_call_id),
-    )
-    calls, unreceived = _without_unreceived(
-        calls, set(getattr(entries_or_snapshot, "unreceived", ()))
-    )
-    calls, identical = _fold_identical(calls)
-    graph = build_graph(calls)
-    ids = graph.ids
-    discarded, unresolved = settle_retries(graph)
-    kept, roots, leaves = _survivors(graph, discarded)
-    main_leaf, main_by, unmatched = _main_leaf(
-        calls, ids, leaves, roots, graph.root_of, final_answer
-    )
-    if main_by == "final_answer" and unresolved:
-        # A retry of the final call, none extended: the final answer names the one kept.
-        unresolved = _resolve_by_answer(graph, unresolved, ids[main_leaf], discarded)
-        kept, roots, leaves = _survivors(graph, discarded)
+    unreceived_ids = set(getattr(entries_or_snapshot, "unreceived", ()))
+    linked = link_calls(entries, unreceived_ids, final_answer)
+    return _result(rollout_id, entries, linked, delivery)
+
+
+def _result(
+    rollout_id: str, entries: list[TokenEntry], linked: LinkedCalls, delivery: str
+) -> BuildResult:
+    """The build of the linked calls: the main chain projected, every chain reported."""
+    graph, ids, main_leaf = linked.graph, linked.graph.ids, linked.main_leaf
     main_path = path_to(graph, main_leaf)
-    main_entries = tuple(calls[position] for position in main_path)
-    chains = _chains(graph, leaves, roots, main_leaf)
-    checked = check_roots(calls, roots, graph.root_of, main_path[0]) if main_path else RootCheck()
+    main_entries = tuple(graph.calls[position] for position in main_path)
+    chains = _chains(graph, linked.leaves, linked.roots, main_leaf)
+    checked = (
+        check_roots(graph.calls, linked.roots, graph.root_of, main_path[0])
+        if main_path
+        else RootCheck()
+    )
     left_out = {ids[root] for root in checked.unexplained + checked.missing_start}
     segments = _segments(graph, chains, main_path, left_out) if delivery == "segments" else []
     delivered = graph.generated[main_leaf] if main_leaf is not None else 0
+    reasons = _mask_reasons(graph, len(entries), linked.unmatched, linked.unresolved, main_path)
     return BuildResult(
         rollout_id=rollout_id,
-        n_calls=len(entries) - len(identical),  # a resend that sampled the same is one call
-        parents={
-            ids[position]: (ids[parent] if parent is not None else None)
-            for position, parent in enumerate(graph.parents)
-        },
+        n_calls=len(entries) - len(linked.identical),  # a resend that sampled the same is one call
+        parents=_parents_by_id(graph),
         main_chain=tuple(ids[position] for position in main_path),
-        main_chain_by=main_by,
+        main_chain_by=linked.main_by,
         chains=chains,
-        roots=tuple(ids[root] for root in roots),
-        quarantined=tuple(sorted(ids[p] for p in range(len(calls)) if graph.ambiguous[p])),
-        empty_generation=empty,
-        unreceived=unreceived,
-        discarded_retries=tuple(sorted(ids[position] for position in discarded)),
-        unresolved_retries=tuple(sorted(unresolved)),
+        roots=tuple(ids[root] for root in linked.roots),
+        quarantined=tuple(sorted(ids[p] for p in range(len(graph.calls)) if graph.ambiguous[p])),
+        empty_generation=linked.empty,
+        unreceived=linked.unreceived,
+        discarded_retries=tuple(sorted(ids[position] for position in linked.discarded)),
+        unresolved_retries=tuple(sorted(linked.unresolved)),
         generated_tokens_captured=sum(
-            len(e.generation_token_ids) for e in entries if e.model_call_id not in identical
+            len(e.generation_token_ids) for e in entries if e.model_call_id not in linked.identical
         ),
         generated_tokens_delivered=delivered + sum(s.generated_tokens for s in segments),
-        mask_reasons=tuple(
-            _mask_reasons(graph, len(entries), unmatched, unresolved, main_path)
-            + _root_reasons(ids, checked, main_path, delivery)
-        ),
+        mask_reasons=tuple(reasons + _root_reasons(ids, checked, main_path, delivery)),
         output=tuple(project_chain(main_entries)),
         main_entries=main_entries,
         faithful_fallbacks=_fallbacks(entries),
-        identical_retries=identical,
+        identical_retries=linked.identical,
         main_role=role_of(main_entries[0], main_entries[-1], None) if main_entries else "",
         segments=tuple(segments),
         unexplained_roots=tuple(sorted(ids[root] for root in checked.unexplained)),
         missing_start_roots=tuple(sorted(ids[root] for root in checked.missing_start)),
     )
+
+
+def _parents_by_id(graph: Graph) -> dict[str, str | None]:
+    """Each call's parent, by call id (None for a root)."""
+    return {
+        graph.ids[position]: (graph.ids[parent] if parent is not None else None)
+        for position, parent in enumerate(graph.parents)
+    }
 
 
 def _root_reasons(
@@ -298,56 +295,6 @@ def _root_reasons(
     return reasons
 
 
-def _survivors(graph: Graph, discarded: set[int]) -> tuple[list[int], list[int], list[int]]:
-    """(kept calls, roots by creation, leaves) once the discarded retries are left out."""
-    kept = [position for position in range(len(graph.calls)) if position not in discarded]
-    roots = sorted(
-        (position for position in kept if graph.parents[position] is None),
-        key=lambda position: (graph.calls[position].created_at, graph.ids[position]),
-    )
-    leaves = [position for position in kept if not graph.has_child[position]]
-    return kept, roots, leaves
-
-
-def _resolve_by_answer(
-    graph: Graph, unresolved: list[tuple[str, ...]], main_id: str, discarded: set[int]
-) -> list[tuple[str, ...]]:
-    """Unresolved retry groups left once the one the final answer chose is kept."""
-    position_of = {call_id: position for position, call_id in enumerate(graph.ids)}
-    left = []
-    for group in unresolved:
-        if main_id in group:
-            discarded.update(position_of[call_id] for call_id in group if call_id != main_id)
-        else:
-            left.append(group)
-    return left
-
-
-def _fold_identical(calls: list[TokenEntry]) -> tuple[list[TokenEntry], tuple[str, ...]]:
-    """One call per identical sampled sequence (prompt, ids and log-probs): a retry that
-    sampled exactly the same is the same call, not an ambiguity. The earliest is kept."""
-    seen: dict[tuple[Any, ...], list[TokenEntry]] = {}
-    kept: list[TokenEntry] = []
-    folded: list[str] = []
-    for call in sorted(calls, key=lambda c: (c.created_at, c.model_call_id)):
-        ids = call.generation_token_ids
-        key = (
-            len(call.prompt_token_ids),
-            ids.key() if isinstance(ids, IdView) else tuple(ids),
-            tuple(call.generation_log_probs),
-        )
-        twins = seen.setdefault(key, [])
-        if any(twin.prompt_token_ids == call.prompt_token_ids for twin in twins):
-            folded.append(call.model_call_id)
-            continue
-        twins.append(call)
-        kept.append(call)
-    if not folded:
-        return calls, ()
-    kept.sort(key=lambda e: (len(e.prompt_token_ids), e.model_call_id))
-    return kept, tuple(sorted(folded))
-
-
 def _segments(
     graph: Graph, chains: tuple[ChainInfo, ...], main_path: list[int], left_out: set[str]
 ) -> list:
@@ -367,60 +314,3 @@ def _segments(
 def _fallbacks(entries: list[TokenEntry]) -> dict[str, int]:
     reasons = [(entry.model_extra or {}).get(FALLBACK_FIELD) for entry in entries]
     return dict(sorted(Counter(str(reason) for reason in reasons if reason).items()))
-
-
-def _without_unreceived(
-    calls: list[TokenEntry], unreceived: set[str]
-) -> tuple[list[TokenEntry], tuple[str, ...]]:
-    """Calls without the unreceived ones that no kept call extends, and the ids left out.
-
-    Children sort after their parents, so one backward pass settles every call: an
-    unreceived call is kept only if one of its kept children extends it.
-    """
-    if not unreceived.intersection(call.model_call_id for call in calls):
-        return calls, ()
-    parents, _ = link(calls)
-    extended = [False] * len(calls)
-    dropped: set[int] = set()
-    for position in range(len(calls) - 1, -1, -1):
-        if calls[position].model_call_id in unreceived and not extended[position]:
-            dropped.add(position)
-        elif parents[position] is not None:
-            extended[parents[position]] = True
-    kept = [call for position, call in enumerate(calls) if position not in dropped]
-    return kept, tuple(sorted(calls[position].model_call_id for position in dropped))
-
-
-def _main_leaf(
-    calls: list[TokenEntry],
-    ids: list[str],
-    leaves: list[int],
-    roots: list[int],
-    root_of: list[int],
-    final_answer: Any,
-) -> tuple[int | None, str, str]:
-    """The leaf that produced the final answer, else the only root's longest path.
-
-    Returns (leaf, how it was chosen, why none could be): a final answer that matches no
-    leaf, or several, and several roots without a final answer, choose nothing.
-    """
-    wanted = answer_signature(final_answer)
-    if wanted is not None:
-        matches = [leaf for leaf in leaves if answer_signature(calls[leaf].output_items) == wanted]
-        if len(matches) == 1:
-            return matches[0], "final_answer", ""
-        if not matches:
-            return None, "", "final answer matches no captured call"
-        return None, "", f"final answer matches {len(matches)} captured calls"
-    if not roots:
-        return None, "", ""
-    if len(roots) > 1:
-        return None, "", f"no final answer to choose among {len(roots)} roots"
-    longest = max(
-        leaves,
-        key=lambda leaf: (
-            len(calls[leaf].prompt_token_ids) + len(calls[leaf].generation_token_ids),
-            ids[leaf],
-        ),
-    )
-    return longest, "only_root", ""

@@ -202,27 +202,17 @@ def encode_entry(
     are reused instead of packed and hashed again; the result is the same either way.
     """
     entry = TokenEntry.coerce(entry)
-    prompt, generation = entry.prompt_token_ids, entry.generation_token_ids
-    prompt_len = len(prompt)
-    reused, head = (
-        memo.match(entry.rollout_id, prompt, block_size) if memo is not None else ((), None)
-    )
-    start = len(reused) * block_size
-    generation_bytes = pack_ids(generation)
-    rest = _packed_from(prompt, start) + generation_bytes
-    chain = [*reused, *cut(rest, block_size, bytes.fromhex(reused[-1].name) if reused else ROOT)]
-    if memo is not None:
-        memo.remember(entry.rollout_id, (prompt, generation_bytes), chain, block_size, head)
-    generated = len(generation)
+    chain, generation_bytes = _sequence_chain(entry, block_size, memo)
     log_probs = pack_floats(entry.generation_log_probs)
     routed = entry.routed_experts if isinstance(entry.routed_experts, Routes) else None
     # Extras kept; the id lists are not copied, and routes go into blocks of their own.
     fields = entry.model_dump(exclude=_PACKED | ({"routed_experts"} if routed else set()))
+    prompt = entry.prompt_token_ids
     data = {
         "codec": CODEC_VERSION if routed is not None else CODEC_WITHOUT_ROUTES,
         "fields": fields,
-        "prompt_len": prompt_len,
-        "generated": generated,
+        "prompt_len": len(prompt),
+        "generated": len(entry.generation_token_ids),
         "tip": chain[-1].name if chain else "",
         "n_blocks": len(chain),
         "log_probs": log_probs,
@@ -231,15 +221,8 @@ def encode_entry(
     if routed is not None:
         routes, data["routes"] = cut_routes(routed, block_size)
     body = msgpack.packb(data, use_bin_type=True)
-    # The sequence enters the digest through its chain tip at the default block size, not
-    # the store's, so writers with any block size agree; at the default size (the usual
-    # case) the ids are hashed once, for the chain, and not a second time for the digest.
-    if block_size == DEFAULT_BLOCK_SIZE:
-        canonical = chain
-    else:
-        canonical = cut(pack_ids(prompt) + generation_bytes, DEFAULT_BLOCK_SIZE)
-    hasher = hashlib.blake2b(prompt_len.to_bytes(8, "little"), digest_size=DIGEST_BYTES)
-    hasher.update(canonical[-1].name.encode() if canonical else b"-")
+    hasher = hashlib.blake2b(len(prompt).to_bytes(8, "little"), digest_size=DIGEST_BYTES)
+    hasher.update(_sequence_digest(prompt, generation_bytes, chain, block_size))
     hasher.update(log_probs)
     hasher.update(_canonical_rest(fields))
     if routed is not None:
@@ -254,6 +237,39 @@ def encode_entry(
         tuple(routes),
         row_bytes,
     )
+
+
+def _sequence_chain(
+    entry: TokenEntry, block_size: int, memo: ChainMemo | None
+) -> tuple[list[Block], bytes]:
+    """The chained blocks of the entry's prompt + generation, and the packed generation;
+    the whole blocks a ``memo`` remembers for the rollout are reused, then it learns these."""
+    prompt, generation = entry.prompt_token_ids, entry.generation_token_ids
+    reused, head = (
+        memo.match(entry.rollout_id, prompt, block_size) if memo is not None else ((), None)
+    )
+    start = len(reused) * block_size
+    generation_bytes = pack_ids(generation)
+    rest = _packed_from(prompt, start) + generation_bytes
+    chain = [*reused, *cut(rest, block_size, bytes.fromhex(reused[-1].name) if reused else ROOT)]
+    if memo is not None:
+        memo.remember(entry.rollout_id, (prompt, generation_bytes), chain, block_size, head)
+    return chain, generation_bytes
+
+
+def _sequence_digest(
+    prompt: Sequence[int], generation_bytes: bytes, chain: list[Block], block_size: int
+) -> bytes:
+    """The sequence's part of a payload digest: its chain tip at the default block size.
+
+    Not the store's block size, so writers with any block size agree; at the default size
+    (the usual case) the ids are hashed once, for the chain, and not a second time here.
+    """
+    if block_size == DEFAULT_BLOCK_SIZE:
+        canonical = chain
+    else:
+        canonical = cut(pack_ids(prompt) + generation_bytes, DEFAULT_BLOCK_SIZE)
+    return canonical[-1].name.encode() if canonical else b"-"
 
 
 def _routes_digest(routes: Routes, chain: list[Block], block_size: int) -> bytes:

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from capture.errors import InvalidRolloutIdError
 from capture.records import TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
 from capture.rollout_ids import validate_rollout_id
-from tokcap.commands.redis_url import add_cluster_argument
+from tokcap.commands.redis_url import URL_ENV, add_cluster_argument, named_url
 from tokcap.help import verb_main
 from transports.redis.keys import DEFAULT_PREFIX
 
@@ -47,7 +46,7 @@ class UnknownRolloutError(LookupError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("rollout_id", help="the rollout to show")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--url", help="Redis URL of a Redis store (default $TOKCAP_REDIS_URL)")
+    where.add_argument("--url", help=f"Redis URL of a Redis store (default ${URL_ENV})")
     where.add_argument("--dir", help="directory of a file store")
     parser.add_argument(
         "--key-prefix", default=DEFAULT_PREFIX, help="Redis key prefix (default %(default)s)"
@@ -302,11 +301,9 @@ def run(args: argparse.Namespace) -> int:
     except InvalidRolloutIdError as exc:
         print(f"tokcap inspect: {exc}", file=sys.stderr)
         return 2
-    url = args.url or (None if args.dir else os.environ.get("TOKCAP_REDIS_URL"))
+    url = None if args.dir else named_url(args.url)  # --url and --dir exclude each other
     if url is None and args.dir is None:
-        print(
-            "tokcap inspect: give --url URL (or set TOKCAP_REDIS_URL) or --dir DIR", file=sys.stderr
-        )
+        print(f"tokcap inspect: give --url URL (or set {URL_ENV}) or --dir DIR", file=sys.stderr)
         return 2
     try:
         info = asyncio.run(

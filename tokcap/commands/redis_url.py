@@ -1,5 +1,8 @@
 """Which Redis a command talks to: ``--url`` or TOKCAP_REDIS_URL, and never a guess.
 
+The one place the variable is read: ``redis_url`` for the commands that need a Redis,
+``named_url`` for those that can read a file or a directory instead.
+
 A command that silently fell back to ``redis://127.0.0.1:6379/0`` would queue jobs or
 rebuild rollouts on whatever Redis happens to run there. The URL carries the password, so
 help texts name the variable instead of showing its value, and the README passes it
@@ -36,9 +39,15 @@ def add_cluster_argument(parser: argparse.ArgumentParser | argparse._ArgumentGro
     )
 
 
+def named_url(given: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``--url`` if given, else TOKCAP_REDIS_URL; None when neither names one. For a command
+    that can read from elsewhere too (a file, a directory) and says so in its own words."""
+    return given or (os.environ if environ is None else environ).get(URL_ENV)
+
+
 def redis_url(given: str | None, environ: Mapping[str, str] | None = None) -> str:
     """``--url`` if given, else TOKCAP_REDIS_URL; MissingUrlError names both."""
-    url = given or (os.environ if environ is None else environ).get(URL_ENV)
+    url = named_url(given, environ)
     if not url:
         raise MissingUrlError(f"give --url URL or set {URL_ENV}: no Redis is assumed")
     return url

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
 
-from tokcap.commands.redis_url import URL_ENV, add_cluster_argument
+from tokcap.commands.redis_url import URL_ENV, add_cluster_argument, named_url
 from tokcap.help import verb_main
 from tokcap.report.drawing import plot, render
 from tokcap.report.figures import compute_figures
@@ -63,7 +62,7 @@ def _records(args: argparse.Namespace) -> tuple[Iterator[dict[str, Any]], str]:
         raise BadInput("give a FILE (or - for stdin) or --url URL, not both")
     if args.file is not None:
         return read_jsonl(args.file), args.file
-    url = args.url or os.environ.get(URL_ENV)
+    url = named_url(args.url)
     if not url:
         raise BadInput(
             f"give a FILE (or - for stdin) or --url URL (or set {URL_ENV}) for the results stream"

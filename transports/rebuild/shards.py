@@ -1,4 +1,4 @@
-"""Reading every shard of the job stream in one consumer group, for one worker.
+"""A worker's side of the job queue, on every shard: read, claim, ack, dead-letter.
 
 A queue of S shards is S streams, each on the master of its own hash tag
 (``transports.redis.keys.shard_streams``); one XREADGROUP cannot span them on a cluster
@@ -9,11 +9,14 @@ then waits at most that long, and a worker that is busy never waits at all. With
 shard this is the one blocking read it always was.
 
 Stale jobs are claimed from every shard, each with its own XAUTOCLAIM cursor, and the
-heartbeat touches each job on its own shard.
+heartbeat touches each job on its own shard. A job ends on its own shard too: acked and
+deleted, or moved to the shard's dead-letter stream, in one transaction with forgetting
+the errors its failed attempts noted (``transports.redis.keys.job_errors_key``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -21,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from transports.rebuild.results import ensure_group
-from transports.redis.keys import Streams, as_text
+from transports.redis.keys import Streams, as_text, job_errors_key
 
 
 class Job(NamedTuple):
@@ -132,6 +135,45 @@ class JobShards:
             by_stream.setdefault(job.streams.jobs, []).append(job.job_id)
         for stream, ids in by_stream.items():
             await self.client.xclaim(stream, self.group, self.consumer, 0, ids, justid=True)
+
+    async def last_error(self, streams: Streams, job_id: str) -> str | None:
+        """The error the latest failed attempt at the job noted, if any."""
+        last = await self.client.hget(job_errors_key(streams.jobs), job_id)
+        return as_text(last) if last else None
+
+    async def note_error(self, streams: Streams, job_id: str, error: str) -> None:
+        """Note why an attempt failed: the attempt that gives up on the job says it."""
+        await self.client.hset(job_errors_key(streams.jobs), job_id, error)
+
+    async def ack(self, streams: Streams, job_id: str) -> None:
+        """Ack and delete a finished job, and forget its errors, in one transaction."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            self._remove(pipe, streams, job_id)
+            await pipe.execute()
+
+    async def dead_letter(
+        self, streams: Streams, job_id: str, fields: Any, error: str, deliveries: int
+    ) -> None:
+        """Move a job to its shard's dead-letter stream, with its error and how many times
+        it was delivered, in the transaction that acks it."""
+        dead = {as_text(key): value for key, value in (fields or {}).items()}
+        dead.update(
+            job_id=job_id,
+            error=error,
+            attempts=str(deliveries),
+            consumer=self.consumer,
+            failed_at=str(time.time()),
+        )
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xadd(streams.dead, dead)
+            self._remove(pipe, streams, job_id)
+            await pipe.execute()
+
+    def _remove(self, pipe: Any, streams: Streams, job_id: str) -> None:
+        """Queue the ack, the delete and the forgetting of a job's errors (one slot)."""
+        pipe.xack(streams.jobs, self.group, job_id)
+        pipe.xdel(streams.jobs, job_id)
+        pipe.hdel(job_errors_key(streams.jobs), job_id)
 
 
 def job_key(streams: Streams, job_id: str) -> str:

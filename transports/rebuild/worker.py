@@ -20,9 +20,11 @@ A job that fails ``max_attempts`` times, or that can never succeed (a malformed 
 goes to the dead-letter stream with its error and is acked. One process runs
 ``concurrency`` jobs at once as asyncio tasks; start more processes to scale.
 
-With ``shards`` > 1, or on a Redis Cluster (``cluster``), every worker reads every shard of
-the queue in its group (``transports.rebuild.shards``); a job's dead letter, its errors and
-its result stay on its shard, the one of its rollout id.
+The queue itself (read, claim, heartbeat, ack, dead letter) is ``transports.rebuild.shards``:
+with ``shards`` > 1, or on a Redis Cluster (``cluster``), every worker reads every shard of
+the queue in its group; a job's dead letter, its errors and its result stay on its shard,
+the one of its rollout id. Reading jobs and joining the groups ride out a lost connection in
+``capture.outage``'s loop, pausing ``READ_RETRY_PAUSE_S`` between tries, until ``stop``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from capture.delivery import (
     finalize_rollout_token_capture,
     retire_rollout_token_capture,
 )
+from capture.outage import retry_through_outage
 from transports.rebuild.jobs import MalformedJobError, decode_job
 from transports.rebuild.layout import agree_on_layout
 from transports.rebuild.publish import Published, ResultToPublish, publish_durably
@@ -50,7 +53,7 @@ from transports.rebuild.shards import Job, JobShards, job_key
 from transports.redis import RedisTokenStore
 from transports.redis import keys as k
 from transports.redis.clients import TRANSIENT_ERRORS
-from transports.redis.keys import Streams, as_text
+from transports.redis.keys import Streams
 
 log = logging.getLogger("tokcap.worker")
 
@@ -97,6 +100,7 @@ class RebuildWorker:
         )
         self._stop = asyncio.Event()
         self._in_flight: dict[asyncio.Task[None], Job] = {}
+        self._next_claim = 0.0  # when to look for stale jobs next (monotonic)
 
     def stop(self) -> None:
         """Take no new jobs; ``run`` returns once the jobs in flight are finished."""
@@ -108,7 +112,7 @@ class RebuildWorker:
         """Check the server's durability and create the consumer groups (idempotent).
 
         A cluster replacing a master fails the group step for a while: it is tried again
-        (a store that cannot be reached at all has raised already).
+        until the worker stops (a store that cannot be reached at all has raised already).
         """
         await self.source.check()
         settings = self.settings
@@ -117,18 +121,21 @@ class RebuildWorker:
             self.jobs = JobShards(
                 self.client, settings.shard_streams, settings.group, settings.consumer
             )
-        while True:
-            try:
-                for stream in (settings.jobs_stream, settings.results_stream):
-                    await agree_on_layout(
-                        self.client, stream, settings.shards, settings.cluster, "worker"
-                    )
-                return await self.jobs.ensure_groups()
-            except TRANSIENT_ERRORS as exc:
-                if self._stop.is_set():
-                    raise
-                log.warning("cannot create the consumer groups (%s); retrying", exc)
-                await asyncio.sleep(READ_RETRY_PAUSE_S)
+        await retry_through_outage(
+            self._join_groups,
+            is_outage=lambda exc: isinstance(exc, TRANSIENT_ERRORS) and not self._stop.is_set(),
+            pause_after=lambda failures: READ_RETRY_PAUSE_S,
+            on_outage=lambda exc, pause_s: log.warning(
+                "cannot create the consumer groups (%s); retrying", exc
+            ),
+        )
+
+    async def _join_groups(self) -> None:
+        """Agree on the streams' layout with every other user, then join the job groups."""
+        settings = self.settings
+        for stream in (settings.jobs_stream, settings.results_stream):
+            await agree_on_layout(self.client, stream, settings.shards, settings.cluster, "worker")
+        await self.jobs.ensure_groups()
 
     async def run(self) -> None:
         """Process jobs until ``stop``; in-flight jobs always finish, even on an error."""
@@ -146,25 +153,20 @@ class RebuildWorker:
 
     async def _dispatch(self) -> None:
         """Keep up to ``concurrency`` jobs in flight: stale ones first, then new ones."""
-        idle_s = self.settings.claim_idle_ms / 1000
-        claim_every = min(max(idle_s / CLAIMS_PER_IDLE, MIN_CLAIM_PAUSE_S), MAX_CLAIM_PAUSE_S)
-        next_claim = 0.0
+        self._next_claim = 0.0  # stale jobs are looked for first
         while not self._stop.is_set():
-            free = self.settings.concurrency - len(self._in_flight)
-            if free <= 0:
+            if len(self._in_flight) >= self.settings.concurrency:
                 await asyncio.wait(list(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                jobs: list[Job] = []
-                if time.monotonic() >= next_claim:
-                    jobs = await self._claim_stale(free)
-                    next_claim = time.monotonic() + claim_every
-                if not jobs:
-                    jobs = await self.jobs.read_new(free, self.settings.block_ms)
-            except TRANSIENT_ERRORS as exc:
-                log.warning("cannot read jobs (%s); retrying in %g s", exc, READ_RETRY_PAUSE_S)
-                await asyncio.sleep(READ_RETRY_PAUSE_S)
-                continue
+                jobs = await retry_through_outage(
+                    self._take_jobs,
+                    is_outage=lambda exc: isinstance(exc, TRANSIENT_ERRORS),
+                    pause_after=lambda failures: READ_RETRY_PAUSE_S,
+                    on_outage=lambda exc, pause_s: log.warning(
+                        "cannot read jobs (%s); retrying in %g s", exc, pause_s
+                    ),
+                )
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -177,6 +179,25 @@ class RebuildWorker:
                 )
                 self._in_flight[task] = job
                 task.add_done_callback(self._in_flight.pop)
+
+    async def _take_jobs(self) -> list[Job]:
+        """As many jobs as there is room for: stale ones when it is time to look for them,
+        else new ones; none once the worker stops (a read that failed is not tried again)."""
+        if self._stop.is_set():
+            return []
+        free = self.settings.concurrency - len(self._in_flight)
+        jobs: list[Job] = []
+        if time.monotonic() >= self._next_claim:
+            jobs = await self._claim_stale(free)
+            self._next_claim = time.monotonic() + self._claim_pause_s()
+        if not jobs:
+            jobs = await self.jobs.read_new(free, self.settings.block_ms)
+        return jobs
+
+    def _claim_pause_s(self) -> float:
+        """How long between looks for stale jobs: ``CLAIMS_PER_IDLE`` per claim_idle_ms."""
+        idle_s = self.settings.claim_idle_ms / 1000
+        return min(max(idle_s / CLAIMS_PER_IDLE, MIN_CLAIM_PAUSE_S), MAX_CLAIM_PAUSE_S)
 
     async def close(self) -> None:
         await self.source.close()  # its client is the worker's too
@@ -213,14 +234,13 @@ class RebuildWorker:
     ) -> None:
         s = self.settings
         streams = streams or s.shard_streams[0]
-        errors_key = k.job_errors_key(streams.jobs)
         try:
             if fields is None:
                 return  # deleted from the stream while pending; XAUTOCLAIM already dropped it
             if deliveries > s.max_attempts:
-                last = await self.client.hget(errors_key, job_id)
                 error = (
-                    as_text(last) if last else "no error recorded: the worker holding it stopped"
+                    await self.jobs.last_error(streams, job_id)
+                    or "no error recorded: the worker holding it stopped"
                 )
                 await self._dead_letter(
                     job_id,
@@ -243,7 +263,7 @@ class RebuildWorker:
                 if deliveries >= s.max_attempts:
                     await self._dead_letter(job_id, fields, error, deliveries, streams)
                 else:
-                    await self.client.hset(errors_key, job_id, error)
+                    await self.jobs.note_error(streams, job_id, error)
             except Exception as inner:
                 log.error("could not record the failure of job %s: %s", job_id, inner)
 
@@ -267,7 +287,7 @@ class RebuildWorker:
             raise TransientJobError(
                 f"rollout {rollout_id} changed after each of {REBUILD_ROUNDS} rebuilds"
             )
-        await self._finish(job_id, streams or self.streams_of(rollout_id))
+        await self.jobs.ack(streams or self.streams_of(rollout_id), job_id)
         self.counts["done"] += 1
 
     async def _build(self, rollout_id: str, record: dict[str, Any]) -> RolloutBuild:
@@ -369,34 +389,12 @@ class RebuildWorker:
             guard_ttl_s=s.guard_ttl_s,
         )
 
-    async def _finish(self, job_id: str, streams: Streams) -> None:
-        """Ack and delete the job, and forget its errors, in one transaction (one slot)."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.xack(streams.jobs, self.settings.group, job_id)
-            pipe.xdel(streams.jobs, job_id)
-            pipe.hdel(k.job_errors_key(streams.jobs), job_id)
-            await pipe.execute()
-
     async def _dead_letter(
         self, job_id: str, fields: Any, error: str, deliveries: int, streams: Streams
     ) -> None:
-        s = self.settings
         self.counts["dead"] += 1
         log.error("job %s goes to %s: %s", job_id, streams.dead, error)
-        dead = {as_text(key): value for key, value in (fields or {}).items()}
-        dead.update(
-            job_id=job_id,
-            error=error,
-            attempts=str(deliveries),
-            consumer=s.consumer,
-            failed_at=str(time.time()),
-        )
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(streams.dead, dead)
-            pipe.xack(streams.jobs, s.group, job_id)
-            pipe.xdel(streams.jobs, job_id)
-            pipe.hdel(k.job_errors_key(streams.jobs), job_id)
-            await pipe.execute()
+        await self.jobs.dead_letter(streams, job_id, fields, error, deliveries)
 
 
 async def run_worker(

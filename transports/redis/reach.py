@@ -4,7 +4,8 @@
 first write (every connection of a pool it built proves itself as it opens, see
 ``transports.redis.connections`` and ``transports.redis.cluster``), names the pool that
 serves a key with the guarantee that pool proved, and retries an operation through lost
-connections and a cluster's failover. The store decides what to write; this decides where
+connections and a cluster's failover (in ``capture.outage``'s loop, the one the capture
+context and the rebuild worker share). The store decides what to write; this decides where
 it goes and rides out the outages on the way.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 from redis.exceptions import AuthenticationError
 
 from capture.errors import ConfigError, TokenCaptureError
+from capture.outage import Backoff, OutageOutlasted, retry_through_outage
 from transports.redis.checks import server_name
 from transports.redis.clients import TRANSIENT_ERRORS, RedisOptions
 from transports.redis.cluster import ClusterConnections
@@ -31,6 +33,7 @@ log = logging.getLogger("tokcap.redis")
 T = TypeVar("T")
 # A connection failure is retried after 50 ms, doubling up to 0.5 s between attempts.
 RETRY_PAUSE_S, RETRY_MAX_PAUSE_S = 0.05, 0.5
+_BACKOFF = Backoff(RETRY_PAUSE_S, RETRY_MAX_PAUSE_S)
 
 
 class RedisUnavailableError(TokenCaptureError, ConnectionError):
@@ -142,39 +145,42 @@ class RedisReach:
         Every operation of the store is safe to repeat: a put whose EXEC landed but whose
         reply was lost finds its own digest on the retry and returns as a no-op.
         """
-        last: Exception | None = None
         # A cluster replacing a lost master is unreachable for a while (its node timeout,
         # then an election): keep trying that long, on a fresh slot map each time.
         deadline = time.monotonic() + (self.options.failover_timeout_s if self.cluster else 0)
-        tries = 0
-        while True:
-            try:
-                return await operation()
-            except AuthenticationError:
-                raise  # wrong credentials do not get better by retrying
-            except TRANSIENT_ERRORS as exc:
-                last = exc
-            except ConfigError as exc:
-                if not (self.cluster and self.durability is not None) or isinstance(
-                    exc, EvictingRedisError
-                ):
-                    raise  # a master that evicts is not promoted out of it: fail now
-                # A master promoted after start that cannot prove the guarantee yet (with
-                # replicas:N, until its lost peer is back as its replica): wait for it.
-                last = exc
-            tries += 1
-            if tries > self.options.max_retries and time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(min(RETRY_PAUSE_S * 2 ** min(tries - 1, 8), RETRY_MAX_PAUSE_S))
-            if self._cluster is not None:
-                await self._refresh()
-        raise RedisUnavailableError(
-            f"{self.where} unreachable after {tries} attempts: {last}"
-        ) from last
+
+        def pause_after(failures: int) -> float | None:
+            if failures > self.options.max_retries and time.monotonic() >= deadline:
+                return None
+            return _BACKOFF.after(failures)
+
+        try:
+            return await retry_through_outage(
+                operation, is_outage=self._is_outage, pause_after=pause_after, between=self._refresh
+            )
+        except OutageOutlasted as outlasted:
+            raise RedisUnavailableError(
+                f"{self.where} unreachable after {outlasted.failures} attempts: {outlasted.last}"
+            ) from outlasted.last
+
+    def _is_outage(self, exc: Exception) -> bool:
+        """Whether ``exc`` may pass by waiting: a lost connection, or on a cluster a master
+        promoted after start that cannot prove the guarantee yet."""
+        if isinstance(exc, AuthenticationError):
+            return False  # wrong credentials do not get better by retrying
+        if isinstance(exc, TRANSIENT_ERRORS):
+            return True
+        if not isinstance(exc, ConfigError):
+            return False
+        # With replicas:N, a promoted master proves it once its lost peer is back as its
+        # replica: wait for that. A master that evicts is not promoted out of it: fail now.
+        promoted = self.cluster and self.durability is not None
+        return promoted and not isinstance(exc, EvictingRedisError)
 
     async def _refresh(self) -> None:
-        """Read the cluster's slot map again; a failure is the next attempt's to report."""
-        assert self._cluster is not None
+        """Read a cluster's slot map again; a failure is the next attempt's to report."""
+        if self._cluster is None:
+            return
         try:
             await self._cluster.refresh()
         except TRANSIENT_ERRORS:

@@ -72,67 +72,59 @@ class ContentionError(TokenCaptureError):
 class RedisTokenStore:
     """Token sink and source on Redis; see the module docstring for how it stays consistent.
 
-    Keyword arguments only: ``url`` (``redis://``, ``rediss://`` for TLS, password in the URL)
-    or ``client`` (an existing ``redis.asyncio.Redis``, left open on close); ``cluster``
-    (the url names any one node of a Redis Cluster, ``transports.redis.cluster``; a
-    ``RedisCluster`` client that has not connected yet is taken as one), with
-    ``failover_timeout_s``, how long an operation keeps retrying while the cluster replaces
-    a lost master; ``key_prefix``;
-    ``durability`` ("fsync", "replicas:N" or "none"); ``tombstone_ttl_s``; ``evidence_ttl_s``
-    (how long a frozen rollout that is never retired, such as a masked one, is kept; None
-    keeps it until ``delete``); socket, connect and durability-wait timeouts; ``max_retries``
-    on connection errors; ``max_connections`` and ``pool_timeout_s`` (a call waits that long
-    for a free connection instead of failing); ``block_size`` (writers of one rollout share
-    blocks only when they use the same; the payload digest does not depend on it). Nothing
-    connects until first use, so the store can be built outside an event loop. Built from a
-    ``url``, every new connection proves durability before it is used
-    (``transports.redis.connections``); a ``client`` passed in is proven once, at start.
+    Keyword arguments only. The connection is one ``RedisOptions``
+    (``transports.redis.clients``): ``options`` whole, as the rebuild worker passes it
+    (``from_options``), and any of its fields as a keyword of its own, which overrides that
+    field, as a Gym config's ``sink_kwargs`` give them: ``url`` (``redis://``, ``rediss://``
+    for TLS, password in the URL); ``cluster`` (the url names any one node of a Redis
+    Cluster, ``transports.redis.cluster``); ``durability`` ("fsync", "replicas:N" or
+    "none"); socket, connect and durability-wait timeouts; ``max_connections`` and
+    ``pool_timeout_s`` (a call waits that long for a free connection instead of failing);
+    ``max_retries`` on connection errors; ``failover_timeout_s``, how long an operation
+    keeps retrying while the cluster replaces a lost master. Instead of a url, ``client``:
+    an existing ``redis.asyncio.Redis``, left open on close (a ``RedisCluster`` client that
+    has not connected yet is taken as a cluster's). The store's own keywords: ``key_prefix``;
+    ``tombstone_ttl_s``; ``evidence_ttl_s`` (how long a frozen rollout that is never
+    retired, such as a masked one, is kept; None keeps it until ``delete``);
+    ``max_watch_retries``; ``block_size`` (writers of one rollout share blocks only when
+    they use the same; the payload digest does not depend on it). Nothing connects until
+    first use, so the store can be built outside an event loop. Built from a ``url``, every
+    new connection proves durability before it is used (``transports.redis.connections``);
+    a ``client`` passed in is proven once, at start.
     """
 
     reads_packed_ids = True  # an entry's prompt may be PackedIds (capture.protocols)
 
     @classmethod
     def from_options(cls, options: RedisOptions, **store: Any) -> RedisTokenStore:
-        """The store on the Redis ``options`` names (``store``: the store's own keywords,
-        such as ``key_prefix``)."""
-        return cls(**{**dataclasses.asdict(options), **store})
+        """The store on the Redis ``options`` names, taken whole as arq's pool takes its
+        ``RedisSettings`` (``store``: the store's own keywords, such as ``key_prefix``)."""
+        return cls(options=options, **store)
 
     def __init__(
         self,
         *,
-        url: str | None = None,
+        options: RedisOptions | None = None,
         client: aioredis.Redis | None = None,
         key_prefix: str = k.DEFAULT_PREFIX,
-        durability: str = "fsync",
         tombstone_ttl_s: float = TOMBSTONE_TTL_S,
         evidence_ttl_s: float | None = EVIDENCE_TTL_S,
-        socket_timeout_s: float = 5.0,
-        connect_timeout_s: float = 2.0,
-        wait_timeout_ms: int = 1000,
-        max_retries: int = 3,
         max_watch_retries: int = 200,
         block_size: int = BLOCK_SIZE,
-        max_connections: int = 100,
-        pool_timeout_s: float = 10.0,
-        cluster: bool = False,
-        failover_timeout_s: float = 15.0,
+        **connection: Any,
     ) -> None:
-        cluster = cluster or isinstance(client, RedisCluster)
-        check_server(url, client, cluster)
-        check_limits(key_prefix, tombstone_ttl_s, evidence_ttl_s, max_connections, pool_timeout_s)
-        options = RedisOptions(
-            url=url,
-            cluster=cluster,
-            durability=durability,
-            socket_timeout_s=socket_timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            wait_timeout_ms=wait_timeout_ms,
-            max_connections=max_connections,
-            pool_timeout_s=pool_timeout_s,
-            max_retries=max_retries,
-            failover_timeout_s=failover_timeout_s,
+        # A keyword that is no field of RedisOptions is a TypeError here, naming it.
+        options = dataclasses.replace(RedisOptions() if options is None else options, **connection)
+        cluster = options.cluster or isinstance(client, RedisCluster)
+        check_server(options.url, client, cluster)
+        check_limits(
+            key_prefix,
+            tombstone_ttl_s,
+            evidence_ttl_s,
+            options.max_connections,
+            options.pool_timeout_s,
         )
-        self._reach = RedisReach(options, client)
+        self._reach = RedisReach(dataclasses.replace(options, cluster=cluster), client)
         self.key_prefix = key_prefix
         self.tombstone_ttl_s = tombstone_ttl_s
         self.evidence_ttl_s = evidence_ttl_s
