@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from .generation import Engine, Generation, SamplingParams
+from .pause import Batches
 from .policies import Conversation
 from .protocol import ChatCompletionRequest, SamplingFields
 from .template import messages_from_prompt, tools_from_prompt
@@ -22,6 +23,10 @@ class ChatCall:
 
     prompt_ids: list[int]
     generations: list[Generation]
+
+    @property
+    def batches(self) -> Batches:
+        return [(self.prompt_ids, self.generations)]
 
 
 def sampling(
@@ -43,9 +48,7 @@ def sampling(
     )
 
 
-def run_chat(
-    engine: Engine, req: ChatCompletionRequest, request_id: str, top_logprobs: int
-) -> ChatCall:
+def run_chat(engine: Engine, req: ChatCompletionRequest, top_logprobs: int) -> ChatCall:
     """Render the messages, let the policy answer, and sample every choice."""
     tools = req.tools or None
     tool_choice = req.effective_tool_choice
@@ -58,7 +61,6 @@ def run_chat(
         n=req.n or 1,
         tool_choice=tool_choice,
         parse_tools=bool(tools) and tool_choice != "none",
-        request_id=request_id,
     )
     return ChatCall(prompt_ids, generations)
 

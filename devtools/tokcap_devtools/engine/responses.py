@@ -6,6 +6,10 @@ that chunk adds), ``stop_reason`` beside ``finish_reason``, log-prob tokens as
 ``"token_id:N"`` when ``return_tokens_as_token_ids`` is set, -inf clamped to -9999.0.
 Chat stream chunks carry only the fields vLLM sets on them (it dumps them with
 exclude_unset); completion stream chunks carry every field, as vLLM dumps those in full.
+A reply cut by a pause (vLLM 0.32's ``/pause?mode=abort`` or ``/abort_requests``) is a normal
+reply of the tokens kept, finish reason ``abort`` and ``stop_reason`` null; a stream cut
+midway ends at once with one chunk of finish reason ``abort`` and no tokens for each choice
+still going, then its usage and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .generation import Generation
+from .pause import Flight
 from .routing import MoeShape, routes_of, vllm_routes
 from .sampler import Step
 from .tokenizer import EngineTokenizer
@@ -193,8 +198,16 @@ def chat_deltas(gens: list[Generation]) -> Iterator[tuple[Generation, int, dict,
             yield gen, position, delta, last
 
 
+def _cut(flight: Flight | None) -> bool:
+    """Whether a pause has cut the stream (asked before each token's line is built)."""
+    return flight is not None and flight.cut
+
+
 def chat_stream(
-    tokenizer: EngineTokenizer, gens: list[Generation], opts: ReplyOptions
+    tokenizer: EngineTokenizer,
+    gens: list[Generation],
+    opts: ReplyOptions,
+    flight: Flight | None = None,
 ) -> Iterator[str]:
     """SSE lines of a chat completion stream, choices interleaved token by token."""
     head = {
@@ -220,7 +233,10 @@ def chat_stream(
         if opts.continuous_usage:
             chunk["usage"] = usage(prompt_len, 0)
         yield _sse(chunk, opts)
+    sent = {gen.index: 0 for gen in gens}
     for gen, position, delta, last in chat_deltas(gens):
+        if _cut(flight):
+            break
         choice = {
             "index": gen.index,
             "delta": delta,
@@ -235,9 +251,27 @@ def chat_stream(
         chunk = {**head, "choices": [choice]}
         if opts.continuous_usage:
             chunk["usage"] = usage(prompt_len, position + 1)
+        sent[gen.index] = position + 1
+        if flight is not None:
+            flight.note(gen.index, position + 1)
+        yield _sse(chunk, opts)
+    for gen in gens:
+        if sent[gen.index] == len(gen.token_ids):
+            continue  # that choice had ended (always, unless the stream was cut)
+        choice = {
+            "index": gen.index,
+            "delta": {},
+            "logprobs": chat_logprobs(tokenizer, [], opts) if opts.logprobs else None,
+            "finish_reason": "abort",
+            "token_ids": [] if opts.return_token_ids else None,
+            "stop_reason": None,
+        }
+        chunk = {**head, "choices": [choice]}
+        if opts.continuous_usage:
+            chunk["usage"] = usage(prompt_len, sent[gen.index])
         yield _sse(chunk, opts)
     if opts.include_usage:
-        total = sum(len(g.token_ids) for g in gens)
+        total = sum(sent.values())
         yield _sse({**head, "choices": [], "usage": usage(prompt_len, total)}, opts)
     yield "data: [DONE]\n\n"
 
@@ -316,42 +350,70 @@ def completion_stream(
     batches: list[tuple[list[int], list[Generation]]],
     opts: ReplyOptions,
     n: int,
+    flight: Flight | None = None,
 ) -> Iterator[str]:
+    """SSE lines of a completions stream, one choice after the other, token by token."""
     head = {
         "id": opts.response_id,
         "object": "text_completion",
         "created": opts.created,
         "model": opts.model,
     }
-    prompt_tokens = completion_tokens = 0
-    for prompt_index, (prompt_ids, gens) in enumerate(batches):
-        prompt_tokens += len(prompt_ids)
-        for gen in gens:
-            offset = 0
-            for position, token_id in enumerate(gen.token_ids):
-                last = position == len(gen.token_ids) - 1
-                delta = gen.deltas[position]
-                choice = {
-                    "index": prompt_index * n + gen.index,
-                    "text": delta,
-                    "logprobs": completion_logprobs(
-                        tokenizer, gen.steps[position : position + 1], [delta], opts, offset
-                    )
-                    if opts.logprobs
-                    else None,
-                    "finish_reason": gen.finish_reason if last else None,
-                    "stop_reason": gen.stop_reason if last else None,
-                    "prompt_token_ids": list(prompt_ids)
-                    if opts.return_token_ids and position == 0
-                    else None,
-                    "token_ids": [token_id] if opts.return_token_ids else None,
-                }
-                offset += len(delta)
-                completion_tokens += 1
-                chunk = {**head, "choices": [choice], "usage": None}
-                if opts.continuous_usage:
-                    chunk["usage"] = usage(len(prompt_ids), position + 1)
-                yield _sse(chunk, opts)
+    choices = [
+        (prompt_index * n + gen.index, prompt_ids, gen)
+        for prompt_index, (prompt_ids, gens) in enumerate(batches)
+        for gen in gens
+    ]
+    sent = {index: 0 for index, _, _ in choices}
+    for index, prompt_ids, gen in choices:
+        offset = 0
+        for position, token_id in enumerate(gen.token_ids):
+            if _cut(flight):
+                break
+            last = position == len(gen.token_ids) - 1
+            delta = gen.deltas[position]
+            choice = {
+                "index": index,
+                "text": delta,
+                "logprobs": completion_logprobs(
+                    tokenizer, gen.steps[position : position + 1], [delta], opts, offset
+                )
+                if opts.logprobs
+                else None,
+                "finish_reason": gen.finish_reason if last else None,
+                "stop_reason": gen.stop_reason if last else None,
+                "prompt_token_ids": list(prompt_ids)
+                if opts.return_token_ids and position == 0
+                else None,
+                "token_ids": [token_id] if opts.return_token_ids else None,
+            }
+            offset += len(delta)
+            chunk = {**head, "choices": [choice], "usage": None}
+            if opts.continuous_usage:
+                chunk["usage"] = usage(len(prompt_ids), position + 1)
+            sent[index] = position + 1
+            if flight is not None:
+                flight.note(index, position + 1)
+            yield _sse(chunk, opts)
+    for index, prompt_ids, gen in choices:
+        kept = sent[index]
+        if kept == len(gen.token_ids):
+            continue  # that choice had ended (always, unless the stream was cut)
+        choice = {
+            "index": index,
+            "text": "",
+            "logprobs": completion_logprobs(tokenizer, [], [], opts) if opts.logprobs else None,
+            "finish_reason": "abort",
+            "stop_reason": None,
+            "prompt_token_ids": list(prompt_ids) if opts.return_token_ids and not kept else None,
+            "token_ids": [] if opts.return_token_ids else None,
+        }
+        chunk = {**head, "choices": [choice], "usage": None}
+        if opts.continuous_usage:
+            chunk["usage"] = usage(len(prompt_ids), kept)
+        yield _sse(chunk, opts)
     if opts.include_usage:
-        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}, opts)
+        prompt_tokens = sum(len(prompt_ids) for prompt_ids, _ in batches)
+        totals = usage(prompt_tokens, sum(sent.values()))
+        yield _sse({**head, "choices": [], "usage": totals}, opts)
     yield "data: [DONE]\n\n"

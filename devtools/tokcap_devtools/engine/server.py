@@ -4,8 +4,10 @@
 (``tokcap_devtools.engine.wire_vllm``, the default) or SGLang 0.5.23's (``tokcap_devtools.engine.wire_sglang``). Both wires
 share ``GET /health`` and, with ``settings.ground_truth`` (``--ground-truth``), ``GET``/``DELETE
 /tokcap/ground_truth`` (every sampled sequence, for tests and the demo; nobody else should
-read another's samples) and ``GET /tokcap/aborted`` (``tokcap_devtools.engine.pacing``), and sample the same sequences for the same request. With an
-``api_key`` each wire asks for it where its engine does (``tokcap_devtools.engine.auth``).
+read another's samples), ``GET /tokcap/aborted`` (``tokcap_devtools.engine.pacing``) and ``GET
+/tokcap/pauses`` (``tokcap_devtools.engine.pause``), and sample the same sequences for the same
+request. With an ``api_key`` each wire asks for it where its engine does
+(``tokcap_devtools.engine.auth``).
 """
 
 from __future__ import annotations
@@ -48,12 +50,19 @@ async def aborted(request: Request) -> list[dict]:
     return list(_engine(request).pace.aborted)
 
 
+async def pauses(request: Request) -> dict:
+    """Whether the engine is paused, the requests it holds, has in flight and has frozen, and
+    every pause so far (its mode, when, the requests it found in flight, when it ended)."""
+    return _engine(request).pauses.state()
+
+
 SHARED_ROUTES = (("/health", health, "GET"),)
 GROUND_TRUTH_ROUTES = (
     ("/tokcap/ground_truth", ground_truth, "GET"),
     ("/tokcap/ground_truth", clear_ground_truth, "DELETE"),
     ("/tokcap/aborted", aborted, "GET"),
     ("/tokcap/pace", pace_counts, "GET"),
+    ("/tokcap/pauses", pauses, "GET"),
 )
 
 

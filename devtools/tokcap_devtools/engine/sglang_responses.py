@@ -12,6 +12,15 @@ tokenizer_manager.py`` for ``/generate`` and ``meta_info``):
   in ``logprobs.content`` the token is its decoded text with its own bytes (there is no
   ``token_id:N`` form); a log-prob of -inf is written as ``null``, not clamped to -9999.0;
 - ``usage`` adds ``reasoning_tokens``; the reply adds ``metadata.weight_version``.
+
+A request cut by a pause (``/pause_generation`` in ``abort`` mode, ``/abort_request``) is
+answered with the tokens kept and the finish reason of an aborted request: ``meta_info.
+finish_reason`` is ``{"type": "abort", "message": "Aborted", ...}`` (``FINISH_ABORT``, set on a
+running request by ``scheduler.py`` ``abort_request``), or ``{"type": "abort", "message":
+"Abort before prefill"}`` when it had generated nothing (``tokenizer_manager.py``
+``_handle_abort_req``); chat says ``finish_reason: "abort"``. A cut stream ends at once: chat
+with one ``abort`` chunk per choice still going, ``/generate`` with one last event of
+everything kept.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .generation import Generation
+from .pause import Flight
 from .responses import chat_deltas, message_content
 from .routing import MoeShape, routes_of, sglang_routes
 from .sampler import FLOOR, Step
@@ -65,7 +75,12 @@ def _top(step: Step, k: int) -> list[tuple[int, float]]:
 
 
 def finish_reason(tokenizer: EngineTokenizer, gen: Generation) -> dict:
-    """The engine's own finish reason (``schedule_batch.py``): what matched, or the length."""
+    """The engine's own finish reason (``schedule_batch.py``): what matched, the length, or
+    the abort of a request cut by a pause."""
+    if gen.finish_reason == "abort":
+        if not gen.token_ids:
+            return {"type": "abort", "message": "Abort before prefill"}
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     if gen.stop_reason is not None:
         return {"type": "stop", "matched": gen.stop_reason}
     if gen.token_ids and gen.token_ids[-1] == tokenizer.eos_id:
@@ -205,7 +220,10 @@ def _delta(fields: dict) -> dict:
 
 
 def chat_stream(
-    tokenizer: EngineTokenizer, gens: list[Generation], reply: SGLangReply
+    tokenizer: EngineTokenizer,
+    gens: list[Generation],
+    reply: SGLangReply,
+    flight: Flight | None = None,
 ) -> Iterator[str]:
     """SSE chunks of a chat stream: text and log-probs token by token, no ids at all."""
     head = {
@@ -218,7 +236,10 @@ def chat_stream(
         first = {"index": gen.index, "delta": _delta({"role": "assistant", "content": ""})}
         choice = {**first, "logprobs": None, "finish_reason": None, "matched_stop": None}
         yield _sse({**head, "choices": [choice], "usage": None})
+    sent = {gen.index: 0 for gen in gens}
     for gen, position, delta, last in chat_deltas(gens):
+        if flight is not None and flight.cut:
+            break
         step = gen.steps[position : position + 1]
         choice = {
             "index": gen.index,
@@ -229,10 +250,27 @@ def chat_stream(
             "finish_reason": gen.finish_reason if last else None,
             "matched_stop": matched_stop(tokenizer, gen) if last else None,
         }
+        sent[gen.index] = position + 1
+        if flight is not None:
+            flight.note(gen.index, position + 1)
+        yield _sse({**head, "choices": [choice], "usage": None})
+    kept = [
+        gen.cut(sent[gen.index]) if sent[gen.index] < len(gen.token_ids) else gen for gen in gens
+    ]
+    for gen in kept:
+        if gen.finish_reason != "abort":
+            continue  # that choice had ended (always, unless the stream was cut)
+        choice = {
+            "index": gen.index,
+            "delta": _delta({}),
+            "logprobs": None,
+            "finish_reason": "abort",
+            "matched_stop": None,
+        }
         yield _sse({**head, "choices": [choice], "usage": None})
     if reply.include_usage:
-        completion = sum(len(g.token_ids) for g in gens)
-        reasoning = sum(reasoning_tokens(tokenizer, g) for g in gens)
+        completion = sum(len(g.token_ids) for g in kept)
+        reasoning = sum(reasoning_tokens(tokenizer, g) for g in kept)
         totals = usage(len(reply.prompt_ids), completion, reasoning)
         yield _sse({**head, "choices": [], "usage": totals})
     yield "data: [DONE]\n\n"
@@ -249,13 +287,23 @@ def generate(tokenizer: EngineTokenizer, gen: Generation, reply: SGLangReply, te
 
 
 def generate_stream(
-    tokenizer: EngineTokenizer, gen: Generation, reply: SGLangReply, text: bool
+    tokenizer: EngineTokenizer,
+    gen: Generation,
+    reply: SGLangReply,
+    text: bool,
+    flight: Flight | None = None,
 ) -> Iterator[str]:
     """One event per token with everything so far, as SGLang 0.5.23 streams by default."""
     shown = ""
     for position in range(len(gen.token_ids)):
+        if flight is not None and flight.cut:
+            kept = gen.cut(position)  # the tokens sent, once more, with the abort
+            yield _sse(generate(tokenizer, kept, reply, text))
+            break
         upto = position + 1
         shown += gen.deltas[position]
+        if flight is not None:
+            flight.note(0, upto)
         yield _sse(
             {
                 "text": shown,

@@ -7,6 +7,15 @@ for ids is a 400), ``POST /generate`` (native, token-in), ``GET /v1/models`` (``
 There is no ``/version`` (SGLang has none), nor ``/v1/completions``, ``/tokenize`` or
 ``/detokenize`` here.
 
+Weight updates: ``POST /update_weight_version``, and SGLang 0.5's pause routes
+(``http_server.py``): ``POST /pause_generation`` (body ``{"mode": "abort" | "retract" |
+"in_place"}``, optional here, ``abort`` by default; ``retract`` and ``in_place`` both freeze
+the requests in flight, which go on after the resume) and ``POST /continue_generation``,
+each answering 200 ``{"message": "Generation paused successfully." | "Generation continued
+successfully.", "status": "ok"}``; ``POST /abort_request`` (``{"rid": ...}`` or ``{"abort_all":
+true}``, an empty 200). A request held by the pause is not yet the scheduler's, so neither
+cuts it. What a pause does to requests is ``tokcap_devtools.engine.pause``'s.
+
 Errors on the OpenAI routes use SGLang's flat body ``{"object": "error", "message", "type",
 "param", "code"}`` (``serving_base.py``); elsewhere ``{"error": {"message"}}``, as
 ``/generate`` answers. A request that does not fit is refused in SGLang's words
@@ -15,6 +24,7 @@ Errors on the OpenAI routes use SGLang's flat body ``{"object": "error", "messag
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from http import HTTPStatus
@@ -28,7 +38,8 @@ from api import JSONBytesResponse
 from . import calls
 from . import sglang_responses as replies
 from .generation import ContextLengthError, Engine, SamplingParams, ScriptedError
-from .pacing import CLIENT_CLOSED_REQUEST, longest, streamed, wait_whole
+from .pacing import CLIENT_CLOSED_REQUEST, streamed, whole
+from .pause import ABORT, KEEP
 from .sglang_protocol import GenerateRequest, GenerateSamplingParams, SGLangChatRequest
 
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose shapes this wire follows
@@ -179,14 +190,17 @@ async def chat_completions(req: SGLangChatRequest, request: Request) -> Response
     top = req.top_logprobs or 0
     # One alternative more than shown, so the k best are known even when the sampled
     # token is not among them (SGLang lists the k best, not the sampled one first).
-    call = calls.run_chat(engine, req, rid, top + 1 if top else 0)
+    call = calls.run_chat(engine, req, top + 1 if top else 0)
     reply = _chat_reply(engine, req, rid, call.prompt_ids, started)
+    flight = engine.pauses.enter(rid, call.batches, arrived, stream=bool(req.stream))
     if req.stream:
-        lines = replies.chat_stream(engine.tokenizer, call.generations, reply)
-        return streamed(engine.pace, lines, rid, arrived)
-    if not await wait_whole(engine.pace, request, longest(call.generations), rid, arrived):
+        lines = replies.chat_stream(engine.tokenizer, call.generations, reply, flight)
+        return streamed(engine.pace, flight, lines)
+    settled = await whole(engine.pace, request, flight)
+    if settled is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONBytesResponse(replies.chat_completion(engine.tokenizer, call.generations, reply))
+    [(_, gens)] = settled
+    return JSONBytesResponse(replies.chat_completion(engine.tokenizer, gens, reply))
 
 
 def _generate_sampling(params: GenerateSamplingParams, top: int) -> SamplingParams:
@@ -213,7 +227,7 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     prompt_ids, conversation = calls.token_prompt(engine, prompt)
     rid = req.rid or uuid.uuid4().hex
     sampling = _generate_sampling(req.sampling_params, req.top_logprobs_num)
-    [gen] = engine.generate(prompt_ids, conversation, sampling, request_id=rid)
+    [gen] = engine.generate(prompt_ids, conversation, sampling)
     reply = replies.SGLangReply(
         rid=rid,
         created=int(time.time()),
@@ -225,25 +239,83 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
         moe=engine.settings.moe if req.return_routed_experts else None,
     )
     text = req.return_text_in_logprobs
+    flight = engine.pauses.enter(rid, [(prompt_ids, [gen])], arrived, stream=req.stream)
     if req.stream:
-        lines = replies.generate_stream(engine.tokenizer, gen, reply, text)
-        return streamed(engine.pace, lines, rid, arrived)
-    if not await wait_whole(engine.pace, request, len(gen.token_ids), rid, arrived):
+        lines = replies.generate_stream(engine.tokenizer, gen, reply, text, flight)
+        return streamed(engine.pace, flight, lines)
+    settled = await whole(engine.pace, request, flight)
+    if settled is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    [(_, [gen])] = settled
     return JSONBytesResponse(replies.generate(engine.tokenizer, gen, reply, text))
 
 
 async def update_weight_version(request: Request) -> Response:
     """SGLang's ``POST /update_weight_version`` (``new_version``): calls sampled from now on
-    report it; a request already sampled keeps the version it was sampled under."""
-    version = calls.new_weight_version(_engine(request), await request.body())
+    report it; a request already sampled keeps the version it was sampled under. With
+    ``abort_all_requests`` the requests in flight are cut first, as ``/abort_request`` does."""
+    raw = await request.body()
+    body = await _json_body(request)
+    named = isinstance(body, dict) and isinstance(body.get("new_version"), str)
+    if named and body["new_version"] and body.get("abort_all_requests"):
+        await _engine(request).pauses.abort(None, held=False)
+    version = calls.new_weight_version(_engine(request), raw)
     if version is None:
         return openai_error("new_version must be a non-empty string")
     return JSONBytesResponse({"success": True, "message": f"weight version set to {version}"})
 
 
+# SGLang's pause modes, as the engine's: ``retract`` sends the running requests back to the
+# waiting queue with what they generated, to go on (re-prefilled) after the resume.
+PAUSE_MODES = {"abort": ABORT, "retract": KEEP, "in_place": KEEP}
+
+
+async def _json_body(request: Request) -> dict | None:
+    """The request's JSON object ({} when it has no body), or None when it is not one."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+async def pause_generation(request: Request) -> Response:
+    """Hold new requests; cut or freeze the ones in flight (SGLang 0.5 ``/pause_generation``)."""
+    body = await _json_body(request)
+    mode = "abort" if body is None else body.get("mode", "abort")
+    if body is None or not isinstance(mode, str) or mode not in PAUSE_MODES:
+        allowed = list(PAUSE_MODES)
+        return error_for(request, f"Invalid mode: {mode!r}. Expected one of {allowed}.")
+    await _engine(request).pauses.pause(PAUSE_MODES[mode])
+    return JSONBytesResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: Request) -> Response:
+    _engine(request).pauses.resume()
+    return JSONBytesResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def abort_request(request: Request) -> Response:
+    """Cut one request (``rid``) or all (``abort_all``) without pausing: an empty 200, as
+    SGLang answers whether or not it found the request."""
+    body = await _json_body(request)
+    if body is None:
+        return error_for(request, "the body must be a JSON object")
+    rid = body.get("rid") or []
+    rids = [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str)]
+    if body.get("abort_all") or rids:
+        await _engine(request).pauses.abort(None if body.get("abort_all") else rids, held=False)
+    return Response(status_code=200)
+
+
 ROUTES = (
     ("/update_weight_version", update_weight_version, "POST"),
+    ("/pause_generation", pause_generation, "POST"),
+    ("/continue_generation", continue_generation, "POST"),
+    ("/abort_request", abort_request, "POST"),
     ("/health_generate", health_generate, "GET"),
     ("/v1/models", models, "GET"),
     ("/v1/chat/completions", chat_completions, "POST"),

@@ -6,15 +6,26 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokeniz
 not FastAPI's 422; a prompt that does not fit is refused in vLLM 0.10.2's words
 (``serving_engine.py`` ``_validate_input``). Any ``model`` name is accepted (vLLM would
 answer 404 for a name it does not serve); replies carry the served name.
+
+Weight updates use vLLM 0.32's RL routes (``vllm/entrypoints/rl/online/api_router.py``,
+served with ``VLLM_SERVER_DEV_MODE=1``): ``POST /update_weight_version``, ``GET
+/weight_info``, ``POST /pause?mode=abort|wait|keep`` (``{"status": "paused"}``; another mode
+is a 400 in vLLM's error body, as its query validation answers), ``POST /resume``
+(``{"status": "resumed"}``), ``GET /is_paused`` (``{"is_paused": bool}``) and ``POST
+/abort_requests`` (``{"request_ids": [...]}``, the reply ids; none: every request, held ones
+too, as vLLM has already queued them; ``{"status": "aborted", "aborted": N}``). What a pause
+does to requests is ``tokcap_devtools.engine.pause``'s.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from http import HTTPStatus
+from typing import Literal
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -22,7 +33,8 @@ from api import JSONBytesResponse
 
 from . import calls, responses
 from .generation import ContextLengthError, Engine, ScriptedError
-from .pacing import CLIENT_CLOSED_REQUEST, longest, streamed, wait_whole
+from .pacing import CLIENT_CLOSED_REQUEST, streamed, whole
+from .pause import Flight
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -146,14 +158,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     engine = _engine(request)
     top = req.top_logprobs or 0
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    call = calls.run_chat(engine, req, response_id, top)
+    call = calls.run_chat(engine, req, top)
     opts = _options(engine, req, response_id, call.prompt_ids, bool(req.logprobs), top)
+    flight = engine.pauses.enter(response_id, call.batches, arrived, stream=bool(req.stream))
     if req.stream:
-        lines = responses.chat_stream(engine.tokenizer, call.generations, opts)
-        return streamed(engine.pace, lines, response_id, arrived)
-    if not await wait_whole(engine.pace, request, longest(call.generations), response_id, arrived):
+        lines = responses.chat_stream(engine.tokenizer, call.generations, opts, flight)
+        return streamed(engine.pace, flight, lines)
+    settled = await whole(engine.pace, request, flight)
+    if settled is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONBytesResponse(responses.chat_completion(engine.tokenizer, call.generations, opts))
+    [(_, gens)] = settled
+    return JSONBytesResponse(responses.chat_completion(engine.tokenizer, gens, opts))
 
 
 async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -176,15 +191,15 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     batches = []
     for prompt in prompts:
         prompt_ids, conversation = calls.token_prompt(engine, prompt)
-        gens = engine.generate(prompt_ids, conversation, sampling, n=n, request_id=opts.response_id)
-        batches.append((prompt_ids, gens))
+        batches.append((prompt_ids, engine.generate(prompt_ids, conversation, sampling, n=n)))
+    flight = engine.pauses.enter(response_id, batches, arrived, stream=bool(req.stream))
     if req.stream:
-        lines = responses.completion_stream(engine.tokenizer, batches, opts, n)
-        return streamed(engine.pace, lines, opts.response_id, arrived)
-    tokens = max(longest(gens) for _, gens in batches)
-    if not await wait_whole(engine.pace, request, tokens, opts.response_id, arrived):
+        lines = responses.completion_stream(engine.tokenizer, batches, opts, n, flight)
+        return streamed(engine.pace, flight, lines)
+    settled = await whole(engine.pace, request, flight)
+    if settled is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONBytesResponse(responses.completion(engine.tokenizer, batches, opts, n))
+    return JSONBytesResponse(responses.completion(engine.tokenizer, settled, opts, n))
 
 
 async def tokenize(req: TokenizeRequest, request: Request) -> Response:
@@ -226,9 +241,57 @@ async def weight_info(request: Request) -> dict:
     return {"weight_version": _engine(request).weight_version}
 
 
+async def pause(
+    request: Request,
+    mode: Literal["abort", "wait", "keep"] = Query("abort"),
+    clear_cache: bool = Query(True),  # vLLM's deprecated flag: accepted, nothing to clear
+) -> Response:
+    """Hold new requests; cut, drain or freeze the ones in flight (vLLM 0.32 ``/pause``)."""
+    await _engine(request).pauses.pause(mode)
+    return JSONBytesResponse({"status": "paused"})
+
+
+async def resume(request: Request) -> Response:
+    _engine(request).pauses.resume()
+    return JSONBytesResponse({"status": "resumed"})
+
+
+async def is_paused(request: Request) -> Response:
+    return JSONBytesResponse({"is_paused": _engine(request).pauses.paused})
+
+
+def _requests_counted(flights: list[Flight]) -> int:
+    """Requests vLLM's frontend tracks for these: one per prompt, and per prompt asking for
+    n > 1 a parent beside its n children."""
+    return sum(len(gens) + (len(gens) > 1) for flight in flights for _, gens in flight.batches)
+
+
+async def abort_requests(request: Request) -> Response:
+    """Cut requests in flight without pausing (vLLM 0.32 ``/abort_requests``); it counts the
+    ids it was given, or every request it tracks when given none."""
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        return error_response("Invalid JSON format")
+    if not isinstance(body, dict):
+        return error_response("Request body must be a JSON object")
+    request_ids = body.get("request_ids")
+    if request_ids and not (
+        isinstance(request_ids, list) and all(isinstance(i, str) for i in request_ids)
+    ):
+        return error_response("request_ids must be a list of strings")
+    cut = await _engine(request).pauses.abort(request_ids or None, held=True)
+    aborted = len(request_ids) if request_ids else _requests_counted(cut)
+    return JSONBytesResponse({"status": "aborted", "aborted": aborted})
+
+
 ROUTES = (
     ("/update_weight_version", update_weight_version, "POST"),
     ("/weight_info", weight_info, "GET"),
+    ("/pause", pause, "POST"),
+    ("/resume", resume, "POST"),
+    ("/is_paused", is_paused, "GET"),
+    ("/abort_requests", abort_requests, "POST"),
     ("/version", version, "GET"),
     ("/v1/models", models, "GET"),
     ("/v1/chat/completions", chat_completions, "POST"),
