@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from api.call.collisions import CollisionWatch
 from api.call.policy import PolicyVersion, policy_version_route
 from api.call.routes import count_tokens, model_route, models
+from api.call.updates import WeightUpdates, pause_route, resume_route
 from api.dialects import DIALECTS, anthropic
 from api.edge import status
 from api.edge.body import BodyLimit
@@ -92,6 +93,8 @@ def _add_routes(app: FastAPI) -> None:
         methods=["GET", "PUT"],
         include_in_schema=False,
     )
+    app.add_api_route("/tokcap/pause", pause_route, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/tokcap/resume", resume_route, methods=["POST"], include_in_schema=False)
     for dialect in DIALECTS.values():
         app.add_api_route(
             dialect.PATH,
@@ -111,7 +114,9 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     """The front end; each worker builds its own sink and upstream client at startup."""
     settings = settings or ServerSettings()
     metrics = FrontEndMetrics()
-    front = FrontEnd(settings, metrics, SinkSlot(), CollisionWatch(metrics.rollout_id_collisions))
+    collisions = CollisionWatch(metrics.rollout_id_collisions)
+    updates = WeightUpdates(metrics.held_seconds)
+    front = FrontEnd(settings, metrics, SinkSlot(), collisions, updates)
     # The OpenAPI pages describe every route to whoever asks: served only when turned on.
     pages = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from api.call.collisions import CollisionWatch
 from api.call.policy import PolicyVersion
+from api.call.updates import WeightUpdates
 from api.edge.metrics import FrontEndMetrics
 from api.edge.prefix import SinkSlot
 from api.engine.client import UpstreamClient
@@ -29,6 +30,7 @@ class FrontEnd:
     metrics: FrontEndMetrics
     slot: SinkSlot
     collisions: CollisionWatch
+    updates: WeightUpdates
     prompts: FaithfulPrompts | None = None
     _upstream: UpstreamClient | None = field(default=None, repr=False)
     _policy: PolicyVersion | None = field(default=None, repr=False)

@@ -28,6 +28,9 @@ SCHEMA_VERSION = 1
 
 # Fields an entry may carry beside the contract's: the request's traits (``capture.traits``).
 TRAITS_FIELD = "request_traits"
+# A call its engine cut and the front end continued: each part's generated ids [start,
+# stop) and the policy version that sampled them, as ``[[start, stop, version], ...]``.
+VERSION_SPANS_FIELD = "policy_version_spans"
 # The three arrays a token-bearing item carries in a served response.
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
@@ -150,3 +153,12 @@ class TokenCaptureSnapshot:
     # Calls whose reply the harness did not receive (it disconnected, or the front end
     # answered 503): the builder leaves such a call out unless a later call extends it.
     unreceived: tuple[str, ...] = field(default=())
+
+
+def version_spans(entry: TokenEntry) -> list[tuple[int, int, str | None]]:
+    """Each span of an entry's generated ids [start, stop) and the policy version that
+    sampled it: the spans a continued call recorded, else one span of the whole call."""
+    found = (entry.model_extra or {}).get(VERSION_SPANS_FIELD)
+    if isinstance(found, list) and found:
+        return [(int(start), int(stop), None if v is None else str(v)) for start, stop, v in found]
+    return [(0, len(entry.generation_token_ids), entry.policy_version)]

@@ -13,7 +13,8 @@ differently on the prefix they share (``routes_differing_calls`` in the metrics)
 per position is every call's: ``routed_experts`` is None, and each carrier item still holds
 its own call's routes. ``.to_numpy()`` makes it a
 ``[len(input_ids), layers, top_k]`` array. Where calls carry policy versions,
-``policy_versions`` names each call's sampled span and its version.
+``policy_versions`` names each sampled span and its version (a call continued after a weight
+update has one span per part).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from capture.build.projection import carriers, flat_sequence
 from capture.build.segments import SEGMENTS_KEY
 from capture.delivery import MASK_KEY, METRICS_KEY, carries_token_ids
+from capture.records import VERSION_SPANS_FIELD
 from capture.routes import Routes, as_routes, routes_differ
 
 MAIN_ROLE = "main"
@@ -38,7 +40,8 @@ class TrainingSample:
     log_probs: list[float]
     n_calls: int
     routed_experts: Routes | None = None
-    # Each call's generated positions [start, stop) and the policy version it ran under.
+    # Generated positions [start, stop) and the policy version that sampled them: a span per
+    # call, or per part of a call continued across a weight update.
     policy_versions: list[tuple[int, int, str | None]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,7 +69,10 @@ def version_spans(found: list[Mapping[str, Any]]) -> list[tuple[int, int, str | 
     spans = []
     for item in found:
         start = len(item["prompt_token_ids"])
-        spans.append((start, start + len(item["generation_token_ids"]), item.get("policy_version")))
+        parts = item.get(VERSION_SPANS_FIELD)  # a call continued after its engine cut it
+        if not parts:
+            parts = [(0, len(item["generation_token_ids"]), item.get("policy_version"))]
+        spans += [(start + begin, start + end, version) for begin, end, version in parts]
     return spans
 
 

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from capture.records import TokenEntry, version_spans
 from capture.routes import routes_differ
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class RolloutSummary:
     # many versions the oldest lags the one the consumer named (integer versions only).
     policy_versions: list[str] = field(default_factory=list)
     policy_version_lag: int | None = None
+    # Delivered calls their engine cut for a weight update and the front end continued on
+    # the new weights: their generated ids span two or more versions.
+    calls_spanning_update: int = 0
     # Main-chain calls routed differently from the last call on the prefix they share.
     routes_differing_calls: int = 0
     capture_incomplete: bool | None = None  # None: no snapshot was read
@@ -85,6 +89,7 @@ class RolloutSummary:
             missing_start_roots=len(build.missing_start_roots),
             policy_versions=versions,
             policy_version_lag=version_lag(versions, current_policy_version),
+            calls_spanning_update=sum(len(version_spans(e)) > 1 for e in delivered_entries(build)),
             routes_differing_calls=routes_differ(e.routed_experts for e in build.main_entries),
             capture_incomplete=capture_incomplete,
             mask_reasons=list(mask_reasons),
@@ -102,11 +107,16 @@ class RolloutSummary:
 SUMMARY_KEYS = tuple(RolloutSummary.__dataclass_fields__)
 
 
+def delivered_entries(build: BuildResult) -> list[TokenEntry]:
+    """The delivered calls: the main chain, then the segments'."""
+    return [*build.main_entries, *(e for s in build.segments for e in s.calls)]
+
+
 def policy_versions(build: BuildResult) -> list[str]:
-    """The versions of the delivered calls (main chain, then segments), each once."""
-    entries = [*build.main_entries, *(e for s in build.segments for e in s.calls)]
-    seen = dict.fromkeys(e.policy_version for e in entries if e.policy_version is not None)
-    return list(seen)
+    """The versions that sampled the delivered calls' ids, each once, in order (a continued
+    call's every part)."""
+    spans = (span for entry in delivered_entries(build) for span in version_spans(entry))
+    return list(dict.fromkeys(version for _, _, version in spans if version is not None))
 
 
 def version_lag(versions: list[str], current: str | int | None) -> int | None:

@@ -21,7 +21,7 @@ from api.types import ServedCall
 from capture.codec.packed import PackedIds
 from capture.context import CallCapture, capture_entry, current_call, mark_incomplete
 from capture.protocols import reads_packed_ids
-from capture.records import TokenEntry
+from capture.records import VERSION_SPANS_FIELD, TokenEntry
 
 
 def output_items(generation: Generation, reply_id: str | None = None) -> list[dict[str, Any]]:
@@ -112,6 +112,8 @@ def _signal_fields(generation: Generation) -> dict[str, Any]:
         fields["routed_experts"] = generation.routed_experts
     if generation.policy_version is not None:
         fields["policy_version"] = generation.policy_version
+    if generation.version_spans:
+        fields[VERSION_SPANS_FIELD] = [list(span) for span in generation.version_spans]
     return fields
 
 

@@ -101,7 +101,12 @@ async def policy_version_route(request: Request) -> Response:
 
 def stamped(generation: Generation, dispatched_under: str | None) -> Generation:
     """The generation with the version it ran under: the engine's own report wins over
-    the trainer's version at dispatch."""
-    if generation.policy_version is not None or dispatched_under is None:
-        return generation
-    return with_changes(generation, policy_version=dispatched_under)
+    the trainer's version at dispatch. A resumed call's first part is the one dispatched;
+    its later parts carry the version they were sampled under (``api.call.resume``)."""
+    if generation.policy_version is None and dispatched_under is not None:
+        generation = with_changes(generation, policy_version=dispatched_under)
+    spans = generation.version_spans
+    if spans and spans[0][2] is None:  # the first part ran under the version at dispatch
+        first = (spans[0][0], spans[0][1], generation.policy_version)
+        generation = with_changes(generation, version_spans=(first, *spans[1:]))
+    return generation

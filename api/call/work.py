@@ -10,12 +10,15 @@ unreceived (``CallWork.abandon``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.call.capture import capture
 from api.call.policy import stamped
+from api.call.resume import Cut, continued, refuse_cut
 from api.call.traits import with_traits
 from api.edge.metrics import FrontEndMetrics
 from api.engine.generation import Generation, UpstreamError
@@ -80,14 +83,34 @@ async def _generate(
             else:
                 generation = piece
         assert generation is not None, "a relayed call ends with its generation"
-        return generation
+        return refuse_cut(generation)
     if prompt is None:
-        return await front.upstream.chat(chat_request)
-    generation = await front.upstream.complete_ids(
-        prompt.ids, prompt.sampling, chat_request.get("model")
-    )
+        return refuse_cut(await front.upstream.chat(chat_request))
+    generation = await _token_in(front, prompt, chat_request.get("model"))
     assert front.prompts is not None, "a faithful prompt was built by the front end's prompts"
     return front.prompts.served(prompt, generation)
+
+
+async def _token_in(front: FrontEnd, prompt: Prompt, model: Any) -> Generation:
+    """A token-in call, continued where the engine cut it (``api.call.resume``); routes
+    are not stitched, so a call that captures them fails instead."""
+    upstream = front.upstream
+
+    async def complete(ids: list[int], sampling: Mapping[str, Any]) -> Generation:
+        await front.updates.held()  # a pause this worker knows of: wait for its resume
+        return await upstream.complete_ids(ids, sampling, model)
+
+    async def version_now() -> str | None:
+        with contextlib.suppress(Exception):  # an outage keeps the version last read
+            await front.policy.refresh()
+        return front.policy.current
+
+    generation = await complete(prompt.ids, prompt.sampling)
+    if upstream.routed_experts:
+        return refuse_cut(generation)
+    whole = await continued(generation, prompt.ids, prompt.sampling, complete, version_now)
+    front.metrics.record_resumes(whole.resumes)
+    return whole
 
 
 def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
@@ -123,9 +146,10 @@ async def run_call(
     """The engine, then the capture; the outcome the harness is answered with."""
     metrics = front.metrics
     intent = _begin_call_while_dispatching()
-    dispatched_under = front.policy.current  # a version set while the engine works is not ours
     started = time.perf_counter()
     try:
+        await front.updates.held()  # a pause this worker knows of: hold the call until it ends
+        dispatched_under = front.policy.current  # a version set while it runs is not its own
         with front.collisions.watching(work.call, traits):
             generation = await _generate(front, chat_request, prompt, work)
             generation = stamped(with_traits(generation, traits), dispatched_under)
@@ -135,7 +159,9 @@ async def run_call(
         raise
     except Exception as exc:
         await _resolve_intent(intent)  # nothing reached the harness: not a loss
-        metrics.record_call(dialect, "upstream_error")
+        metrics.record_call(dialect, "cut" if isinstance(exc, Cut) else "upstream_error")
+        if isinstance(exc, Cut):
+            metrics.cut_calls.labels(outcome="failed").inc()
         if isinstance(exc, UpstreamError):
             return Failed(exc.status, exc.message)
         return Failed(502, f"upstream call failed: {type(exc).__name__}: {exc}")

@@ -48,6 +48,7 @@ OUTCOMES = (
     "unrecorded",
     "uncaptured",
     "upstream_error",
+    "cut",
     "bad_request",
     "abandoned",
 )
@@ -60,10 +61,43 @@ class FrontEndMetrics:
     multiprocess_dir: str | None = field(default_factory=lambda: os.environ.get(MULTIPROC_ENV))
 
     def __post_init__(self) -> None:
+        self._count_updates()
         self._count_calls()
         self._time_calls()
         self._count_prompts()
         self._watch_redis()
+
+    def _count_updates(self) -> None:
+        """Calls across weight updates: cut by their engine, then continued or failed."""
+        self.cut_calls = Counter(
+            "tokcap_cut_calls",
+            "Calls their engine cut (finish_reason abort, a weight update's pause): resumed "
+            "and served whole, or failed with a retryable error",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.resumed_parts = Counter(
+            "tokcap_resumed_parts",
+            "Continuations of cut calls sent token-in (a call cut twice counts two)",
+            registry=self.registry,
+        )
+        self.held_seconds = Histogram(
+            "tokcap_held_seconds",
+            "Time a call was held by this front end while its engine was paused",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.pauses = Counter(
+            "tokcap_pauses",
+            "Engine pauses the trainer asked of this front end",
+            ["mode"],
+            registry=self.registry,
+        )
+
+    def record_resumes(self, resumes: int) -> None:
+        if resumes:
+            self.cut_calls.labels(outcome="resumed").inc()
+            self.resumed_parts.inc(resumes)
 
     def _count_calls(self) -> None:
         """Calls by outcome, and the outcomes that matter for training on their own."""

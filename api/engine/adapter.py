@@ -25,6 +25,9 @@ from capture.routes import Routes
 Ask = Callable[[str], Awaitable[tuple[int, Any]]]
 # A POST of a JSON body to the engine: its JSON object reply (UpstreamError otherwise).
 Post = Callable[[str, Mapping[str, Any]], Awaitable[dict[str, Any]]]
+# A POST whose answer is only its status (an engine's control routes answer text or
+# nothing); UpstreamError unless the engine took it.
+Command = Callable[[str, Mapping[str, Any] | None], Awaitable[None]]
 # What one chat reply's choice gives an adapter: generated ids, log-probs, or why not.
 ReadIds = tuple[list[int] | None, list[float] | None, str | None]
 
@@ -37,6 +40,11 @@ CHAT_PARAMS: dict[str, Any] = {
     "n": 1,
     "stream": False,
 }
+# Finish reasons that are not the model's choice: the engine stopped the call (a weight
+# update's pause, ``/abort_requests``). Such a generation is never a turn's end.
+ENGINE_STOPS = frozenset({"abort"})
+# Pause modes the engines share (vLLM 0.32 ``/pause?mode=``); an adapter maps them to its own.
+PAUSE_MODES = ("abort", "wait", "keep")
 # What a streamed chat call asks for beside the ids: the usage chunk, for the count check.
 STREAM_PARAMS: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
 # Where each kind of problem is fixed, per family (``EngineAdapter.hints``): the probe's
@@ -113,6 +121,15 @@ class EngineAdapter(Protocol):
     ) -> Generation: ...
 
     def read_routes(self, response: Mapping[str, Any], moe: Any) -> Routes | None: ...
+
+    async def pause(self, command: Command, mode: str) -> None:
+        """Stop the engine generating for a weight update (``PAUSE_MODES``); a ValueError
+        names a mode this engine does not have."""
+        ...
+
+    async def resume(self, command: Command) -> None:
+        """Let the engine generate again after a pause."""
+        ...
 
 
 def chat_body(

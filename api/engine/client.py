@@ -179,6 +179,26 @@ class UpstreamClient:
             raise UpstreamError(502, "upstream answered with a non-object JSON body")
         return data
 
+    async def command(self, path: str, body: Mapping[str, Any] | None) -> None:
+        """A POST to one of the engine's control routes (pause, resume), whose answer is its
+        status only; an ``UpstreamError`` unless the engine took it."""
+        content = jsonbytes.dumps(body) if body is not None else b""
+        try:
+            status, reply = await self._http.post(path, content)
+        except TRANSPORT_ERRORS as exc:
+            raise self._unreachable(exc) from exc
+        if status >= 400:
+            raise _refusal(status, reply)
+
+    async def pause(self, mode: str) -> None:
+        """Pause the engine for a weight update (``EngineAdapter.pause``)."""
+        await self.learn()
+        await self.adapter.pause(self.command, mode)
+
+    async def resume(self) -> None:
+        await self.learn()
+        await self.adapter.resume(self.command)
+
     async def ask(self, path: str) -> tuple[int, Any]:
         """(status, body) of a GET; (0, None) when the engine could not be reached."""
         try:

@@ -49,6 +49,11 @@ class Generation:
     # The policy version the call ran under: the engine's report, else the trainer's at
     # dispatch (``api.call.policy``).
     policy_version: str | None = None
+    # A call resumed after its engine cut it: each part's generated ids [start, stop) and
+    # the version that sampled them (``api.call.resume``); empty for a call made in one go.
+    version_spans: tuple[tuple[int, int, str | None], ...] = ()
+    # How many times the engine cut this call and it was continued (``api.call.resume``).
+    resumes: int = 0
 
     @property
     def text(self) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.engine import adapter
-from api.engine.adapter import Ask, Post
+from api.engine.adapter import Ask, Command, Post
 from api.engine.checks import finish, logprob_problem, sent_prompt_check
 from api.engine.generation import Generation, reply_generation, with_changes
 from api.engine.routes import flat_routes
@@ -244,3 +244,14 @@ class SGLang:
     tokens_body = staticmethod(tokens_body)
     read_tokens = staticmethod(read_tokens)
     read_routes = staticmethod(read_routes)
+
+    async def pause(self, command: Command, mode: str) -> None:
+        """SGLang's ``POST /pause_generation`` (``http_server.py``): its ``abort`` mode is
+        vLLM's; ``in_place`` keeps requests as vLLM's ``keep`` does; it has no ``wait``."""
+        modes = {"abort": "abort", "keep": "in_place"}
+        if mode not in modes:
+            raise ValueError(f"SGLang pauses with mode {', '.join(modes)}, not {mode!r}")
+        await command("/pause_generation", {"mode": modes[mode]})
+
+    async def resume(self, command: Command) -> None:
+        await command("/continue_generation", {})

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.engine import adapter
-from api.engine.adapter import Ask, Post
+from api.engine.adapter import PAUSE_MODES, Ask, Command, Post
 from api.engine.checks import finish, logprob_problem, prompt_check, sent_prompt_check
 from api.engine.generation import (
     Generation,
@@ -307,3 +307,13 @@ class VLLM:
     tokens_body = staticmethod(tokens_body)
     read_tokens = staticmethod(read_tokens)
     read_routes = staticmethod(read_routes)
+
+    async def pause(self, command: Command, mode: str) -> None:
+        """vLLM 0.32's ``POST /pause?mode=`` (``vllm/entrypoints/rl/online/api_router.py``,
+        served with ``VLLM_SERVER_DEV_MODE=1``): abort, wait or keep, as asked."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"vLLM pauses with mode {', '.join(PAUSE_MODES)}, not {mode!r}")
+        await command(f"/pause?mode={mode}", None)
+
+    async def resume(self, command: Command) -> None:
+        await command("/resume", None)

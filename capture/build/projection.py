@@ -17,7 +17,7 @@ from typing import Any
 
 from capture.codec.views import IdView, shares_prefix
 from capture.items import chat_message_to_items, is_chat_message, message_item
-from capture.records import TokenEntry
+from capture.records import VERSION_SPANS_FIELD, TokenEntry
 
 
 def to_responses_items(
@@ -61,6 +61,9 @@ def project_call(entry: TokenEntry) -> list[dict[str, Any]]:
         item["routed_experts"] = entry.routed_experts
     if entry.policy_version is not None:
         item["policy_version"] = entry.policy_version
+    spans = (entry.model_extra or {}).get(VERSION_SPANS_FIELD)
+    if spans:
+        item[VERSION_SPANS_FIELD] = [list(span) for span in spans]
     return items
 
 

@@ -52,6 +52,19 @@ def sections(f: Figures) -> list[tuple[str, list[Row]]]:
         ("rollouts by policy version", _rows(f.policy_versions, None, "version ")),
         ("rollouts by versions spanned", _rows(f.versions_spanned, None, "spanning ")),
         ("rollouts by policy version lag", _rows(f.policy_version_lag, None, "lag ")),
+        (
+            "across weight updates",
+            [
+                ("calls continued on new weights", f.calls_spanning_update, None),
+                (
+                    "rollouts delivering such calls",
+                    f.rollouts_spanning_update,
+                    share(f.rollouts_spanning_update, f.rebuilt),
+                ),
+            ]
+            if f.calls_spanning_update
+            else [],
+        ),
     ]
     return [(title, section) for title, section in found if section]
 

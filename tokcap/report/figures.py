@@ -63,6 +63,10 @@ class Figures:
     policy_versions: dict[str, int] = field(default_factory=dict)
     versions_spanned: dict[str, int] = field(default_factory=dict)
     policy_version_lag: dict[str, int] = field(default_factory=dict)
+    # Calls their engine cut for a weight update and the front end continued on the new
+    # weights, and the rebuilt rollouts that deliver any.
+    calls_spanning_update: int = 0
+    rollouts_spanning_update: int = 0
     other_metrics: dict[str, int] = field(default_factory=dict)  # unknown keys, by rollouts
     warnings: list[str] = field(default_factory=list)
 
@@ -180,6 +184,9 @@ def _tally_versions(figures: Figures, metrics: Mapping[str, Any]) -> None:
     lag = metrics.get("policy_version_lag")
     if isinstance(lag, int) and not isinstance(lag, bool):
         _add(figures.policy_version_lag, {str(lag): 1})
+    spanning = _int(metrics.get("calls_spanning_update"))
+    figures.calls_spanning_update += spanning
+    figures.rollouts_spanning_update += spanning > 0
 
 
 def reason_group(reason: str) -> str:
