@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from capture.records import VERSION_SPANS_FIELD, version_spans
+from capture.samples import training_samples
 from tests.support.frontend import (
     engine_server,
     file_store_settings,
@@ -32,8 +33,8 @@ from tests.support.frontend import (
 )
 
 FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
-LONG_REPLY_WORDS = 20  # about 4 s of tokens at the pace below: long enough to be cut
-PACE = {"first_token_s": 0.05, "token_s": 0.15}
+LONG_REPLY_WORDS = 12  # about 6 s of tokens at the pace below: long enough to be cut
+PACE = {"first_token_s": 0.05, "token_s": 0.3}
 
 
 def _engine(tmp_path: Path, wire: str = "vllm") -> dict[str, Any]:
@@ -129,7 +130,7 @@ def test_calls_cut_by_a_weight_update_are_continued_and_captured_whole(tmp_path:
         settings = file_store_settings(engine_url, tmp_path / "store", **FAITHFUL)
         with front_end(settings) as front:
             httpx.put(front + "/tokcap/policy_version", json={"version": "1"}).raise_for_status()
-            rollouts = [f"update-{n}" for n in range(4)]
+            rollouts = [f"update-{n}" for n in range(3)]
             base = lambda rollout: f"{front}/ng-rollout/{rollout}/training-token-capture"  # noqa: E731
             running = _calls(base, rollouts, streamed=set(rollouts[:2]))
             _generating(engine_url, len(rollouts))
@@ -158,7 +159,10 @@ def test_calls_cut_by_a_weight_update_are_continued_and_captured_whole(tmp_path:
         assert build.summary.policy_versions == ["1", "2"]
         item = next(i for i in record["response"]["output"] if "generation_token_ids" in i)
         assert item[VERSION_SPANS_FIELD] == [list(span) for span in spans]
-    assert 'tokcap_cut_calls_total{outcome="resumed"} 4.0' in metrics
+        [sample] = training_samples(record)  # a span per part, at its place in the sample
+        start = len(entry.prompt_token_ids)
+        assert sample.policy_versions == [(start + a, start + b, v) for a, b, v in spans]
+    assert 'tokcap_cut_calls_total{outcome="resumed"} 3.0' in metrics
 
 
 def test_a_text_mode_call_cut_by_the_engine_fails_retryably_and_is_not_captured(

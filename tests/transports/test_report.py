@@ -391,3 +391,17 @@ def test_the_report_shows_the_policy_versions_rollouts_ran_under(capsys) -> None
     text = io.StringIO()
     render(figures, Console(file=text, width=120))
     assert "rollouts by policy version" in text.getvalue() and "version 5" in text.getvalue()
+
+
+def test_the_report_counts_calls_continued_across_a_weight_update(capsys) -> None:
+    records = [
+        record("a", delivered(2, 1, 20, 20, policy_versions=["4", "5"], calls_spanning_update=2)),
+        record("b", delivered(2, 1, 20, 20, policy_versions=["5"], calls_spanning_update=0)),
+    ]
+    figures = compute_figures(records)
+    assert (figures.calls_spanning_update, figures.rollouts_spanning_update) == (2, 1)
+    assert "calls_spanning_update" not in figures.other_metrics
+    text = io.StringIO()
+    render(figures, Console(file=text, width=120))
+    assert "across weight updates" in text.getvalue()
+    assert "calls continued on new weights" in text.getvalue()
