@@ -47,6 +47,7 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "TOKCAP_KEEPALIVE_S": ("keepalive_s",),
     "TOKCAP_UPSTREAM_CONNECTIONS": ("upstream_connections",),
     "TOKCAP_ROUTED_EXPERTS": ("routed_experts",),
+    "TOKCAP_RESUME_CUT_CALLS": ("resume_cut_calls",),
     "TOKCAP_RENDERER": ("renderer", "name"),
     "TOKCAP_RENDERER_TOKENIZER": ("renderer", "tokenizer"),
 }
@@ -135,6 +136,9 @@ class ServerSettings(BaseModel):
     # --enable-return-routed-experts); a call answered without usable routes is lost.
     routed_experts: bool = False
     moe: MoeSettings | None = None
+    # Continue a call its engine cut for a weight update (faithful prompts; ``api.call.
+    # resume``); off, such a call fails with the dialect's retryable error instead.
+    resume_cut_calls: bool = True
     # Serve /docs, /redoc and /openapi.json; off by default, the schema is no one's business.
     docs: bool = False
     capture: TokenIdCaptureConfig = Field(default_factory=TokenIdCaptureConfig)

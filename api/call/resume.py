@@ -97,12 +97,16 @@ def stitched(parts: list[Generation], prompt_ids: list[int]) -> Generation:
     spans: list[Span] = []
     for part in parts:
         generated = part.generation_token_ids or []
-        spans.append((len(ids), len(ids) + len(generated), part.policy_version))
+        if generated:  # a part cut before it sampled anything names no tokens
+            spans.append((len(ids), len(ids) + len(generated), part.policy_version))
         ids += generated
         log_probs += part.generation_log_probs or []
     usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids)}
     whole = with_changes(
         first,
+        # The version of its first sampled token: a first part cut before it sampled
+        # anything ran under nothing.
+        policy_version=spans[0][2] if spans else first.policy_version,
         response=last.response,
         message={"role": "assistant", "content": "".join(part.text for part in parts)},
         finish_reason=last.finish_reason,

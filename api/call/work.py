@@ -106,7 +106,7 @@ async def _token_in(front: FrontEnd, prompt: Prompt, model: Any) -> Generation:
         return front.policy.current
 
     generation = await complete(prompt.ids, prompt.sampling)
-    if upstream.routed_experts:
+    if upstream.routed_experts or not front.settings.resume_cut_calls:
         return refuse_cut(generation)
     whole = await continued(generation, prompt.ids, prompt.sampling, complete, version_now)
     front.metrics.record_resumes(whole.resumes)

@@ -6,7 +6,8 @@ the standard library. A reply is chosen from the request's prompt: with tools on
 no tool result yet, thinking and one hermes tool call (``list_files``, or the CLI's ``Bash``
 running ``ls`` where that is on offer); after a tool result, thinking and a
 final answer; otherwise thinking and a greeting (another one after an earlier reply, so a
-chat's turns differ). A prompt that holds ``SLOW_MARK`` asks the processor to hold its first
+chat's turns differ). A prompt that holds ``FREE_MARK`` is not scripted at all. A prompt
+that holds ``SLOW_MARK`` asks the processor to hold its first
 step, as a long prefill under load would.
 """
 
@@ -20,6 +21,10 @@ TOOL_RESPONSE = 151665  # <tool_response>: a tool result in the prompt
 LIFT = 50.0  # how far above the largest logit the scripted token is put
 SLOW_MARK = "[slow prefill]"
 SLOW_PREFILL_S = 3.0
+# A prompt that holds it is left to the random model: a long free run (a call a weight
+# update can cut mid-generation), ended by ``max_tokens``.
+FREE_MARK = "[free run]"
+FREE = "free"
 ASSISTANT_TURN = "<|im_start|>assistant"
 # The Claude Code CLI offers its own tools (an engine may drop a call to a tool not on
 # offer, as SGLang's parsers do): where it offers Bash, the call runs ``ls`` with it.
@@ -48,7 +53,9 @@ SCRIPTS = {
 
 
 def script_name(prompt: list[int], text: str) -> str:
-    """Which script answers a prompt, from its ids and its text."""
+    """Which script answers a prompt, from its ids and its text (``FREE``: none)."""
+    if FREE_MARK in text:
+        return FREE
     if TOOL_RESPONSE in prompt:
         return "answer"
     if TOOL_CALL in prompt:

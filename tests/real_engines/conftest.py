@@ -175,7 +175,13 @@ def vllm_command(python: Path, port: int, args: list[str]) -> list[str]:
 
 
 def vllm_env() -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(HERE), "HF_HUB_OFFLINE": "1"}
+    """The server's environment: its RL routes (``/pause``, ``/resume``) served too."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": str(HERE),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
 
 
 @contextlib.contextmanager

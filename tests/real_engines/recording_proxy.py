@@ -111,6 +111,7 @@ class RecordingProxy:
             upstream = http.build_request(
                 request.method,
                 "/" + path,
+                params=request.query_params,  # /pause?mode=abort
                 content=content,
                 headers={"content-type": request.headers.get("content-type", "application/json")},
             )

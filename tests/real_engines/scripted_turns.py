@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from agent_script import LIFT, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, script_name, target
+from agent_script import FREE, LIFT, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, script_name, target
 from tokenizers import Tokenizer
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -41,7 +41,8 @@ class ScriptedTurns(LogitsProcessor):
 
     def _row(self, prompt: list[int] | None, output: list[int]) -> tuple[Any, ...]:
         text = self.tokenizer.decode(prompt or [], skip_special_tokens=False)
-        return self.scripts[script_name(prompt or [], text)], output, [SLOW_MARK in text]
+        name = script_name(prompt or [], text)
+        return self.scripts.get(name) if name != FREE else None, output, [SLOW_MARK in text]
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(
@@ -53,5 +54,8 @@ class ScriptedTurns(LogitsProcessor):
             if slow[0]:
                 slow[0] = False
                 time.sleep(SLOW_PREFILL_S)  # holds the whole engine step: a slow prefill
-            logits[row, target(script, len(output))] = logits[row].max() + LIFT
+            if script is None:  # a free run is the model's own, among the tokenizer's ids
+                logits[row, self.tokenizer.get_vocab_size() :] = float("-inf")
+            else:
+                logits[row, target(script, len(output))] = logits[row].max() + LIFT
         return logits

