@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -255,11 +256,35 @@ class GroundTruth:
 
 
 def _same_reply(sampled: dict[str, Any], reply: Any) -> bool:
-    """Whether the engine's record is the call that produced this reply to the harness."""
-    tool_ids = [b.id for b in reply.content if b.type == "tool_use"]
+    """Whether the engine's record is the call that produced this reply to the harness: its
+    tool calls (by id where the engine named them, as text prompts pass them on; by name and
+    arguments where the front end parsed the ids itself, as faithful prompts do) and text."""
+    uses = [b for b in reply.content if b.type == "tool_use"]
     text = "".join(b.text for b in reply.content if b.type == "text")
-    sampled_ids = [call["id"] for call in sampled.get("tool_calls") or []]
-    return tool_ids == sampled_ids and text.strip() == (sampled.get("content") or "").strip()
+    calls = sampled.get("tool_calls") or []
+    same_ids = [b.id for b in uses] == [call["id"] for call in calls]
+    same_calls = [(b.name, b.input) for b in uses] == [
+        (call["function"]["name"], json.loads(call["function"]["arguments"] or "{}"))
+        for call in calls
+    ]
+    if (same_ids or same_calls) and text.strip() == (sampled.get("content") or "").strip():
+        return True
+    # A token-in call (faithful prompts): the engine parsed nothing, the front end parsed
+    # its sampled text into the reply.
+    raw = sampled.get("text") or ""
+    found = [
+        json.loads(body)
+        for body in re.findall(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", raw, re.S)
+    ]
+    raw_calls = [(call.get("name"), call.get("arguments") or {}) for call in found]
+    if not uses and _words(text) == _words(raw):
+        return True  # tool_choice none: the calls the policy wrote stay text, tags aside
+    head = raw.split("<tool_call>")[0]
+    return [(b.name, b.input) for b in uses] == raw_calls and text.strip() == head.strip()
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"</?tool_call>", " ", text).split()
 
 
 def violation(rollout: Rollout, record: dict[str, Any], truth: GroundTruth) -> str | None:
