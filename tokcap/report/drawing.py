@@ -52,21 +52,20 @@ def sections(f: Figures) -> list[tuple[str, list[Row]]]:
         ("rollouts by policy version", _rows(f.policy_versions, None, "version ")),
         ("rollouts by versions spanned", _rows(f.versions_spanned, None, "spanning ")),
         ("rollouts by policy version lag", _rows(f.policy_version_lag, None, "lag ")),
-        (
-            "across weight updates",
-            [
-                ("calls continued on new weights", f.calls_spanning_update, None),
-                (
-                    "rollouts delivering such calls",
-                    f.rollouts_spanning_update,
-                    share(f.rollouts_spanning_update, f.rebuilt),
-                ),
-            ]
-            if f.calls_spanning_update
-            else [],
-        ),
+        ("across weight updates", _update_rows(f)),
     ]
     return [(title, section) for title, section in found if section]
+
+
+def _update_rows(f: Figures) -> list[Row]:
+    """Calls continued on new weights after their engine cut them, where there were any."""
+    if not f.calls_spanning_update:
+        return []
+    rollouts = f.rollouts_spanning_update
+    return [
+        ("calls continued on new weights", f.calls_spanning_update, None),
+        ("rollouts delivering such calls", rollouts, share(rollouts, f.rebuilt)),
+    ]
 
 
 def _rows(counts: Mapping[str, int], whole: int | None, label: str = "") -> list[Row]:
