@@ -194,26 +194,47 @@ def test_a_text_mode_call_cut_by_the_engine_fails_retryably_and_is_not_captured(
     assert 'tokcap_calls_total{dialect="anthropic",outcome="cut"} 2.0' in metrics
 
 
-def test_a_call_sent_during_a_pause_is_held_and_sampled_on_the_new_weights(
+def _raw_stream(url: str, events: list[tuple[float, str]]) -> None:
+    """A streamed Messages call read as raw server-sent events, each with when it came."""
+    request = {
+        "model": "m",
+        "max_tokens": 2000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+    }
+    with httpx.stream("POST", url + "/v1/messages", json=request, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("event: "):
+                events.append((time.monotonic(), line.removeprefix("event: ")))
+
+
+def test_a_call_sent_during_a_pause_is_held_kept_alive_and_sampled_on_the_new_weights(
     tmp_path: Path,
 ) -> None:
     engine = _engine(tmp_path)
     with engine_server(**engine) as engine_url:
-        settings = file_store_settings(engine_url, tmp_path / "store", **FAITHFUL)
+        settings = file_store_settings(engine_url, tmp_path / "store", keepalive_s=0.2, **FAITHFUL)
         with front_end(settings) as front:
             httpx.put(front + "/tokcap/policy_version", json={"version": "1"}).raise_for_status()
             httpx.post(front + "/tokcap/pause", json={"mode": "abort"}).raise_for_status()
-            base = lambda rollout: f"{front}/ng-rollout/{rollout}/training-token-capture"  # noqa: E731
-            running = _calls(base, ["held"], streamed={"held"})
-            time.sleep(0.5)
-            assert running["results"] == {}  # held, and kept alive meanwhile
+            events: list[tuple[float, str]] = []
+            url = f"{front}/ng-rollout/held/training-token-capture"
+            held = threading.Thread(target=_raw_stream, args=(url, events))
+            held.start()
+            time.sleep(1.0)
+            resumed_at = time.monotonic()
             httpx.post(
                 engine_url + "/update_weight_version", json={"new_version": "2"}
             ).raise_for_status()
             httpx.post(front + "/tokcap/resume", json={"version": "2"}).raise_for_status()
-            results = _join(running)
+            held.join(timeout=60)
             truth = httpx.get(engine_url + "/tokcap/ground_truth").json()
-    assert isinstance(results["held"], anthropic.types.Message)
+            metrics = httpx.get(front + "/metrics").text
+    while_held = [name for at, name in events if at < resumed_at]
+    assert while_held[0] == "message_start" and while_held.count("ping") >= 3  # kept alive
+    assert set(while_held) == {"message_start", "ping"}  # nothing sampled meanwhile
+    assert events[-1][1] == "message_stop"
+    assert "tokcap_held_seconds_count 1.0" in metrics
     entry = freeze(tmp_path / "store", "held").entries[0]
     assert entry.policy_version == "2" and len(version_spans(entry)) == 1
     assert [r["weight_version"] for r in truth] == ["2"]
