@@ -115,7 +115,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     metrics = FrontEndMetrics()
     collisions = CollisionWatch(metrics.rollout_id_collisions)
-    updates = WeightUpdates(metrics.held_seconds)
+    updates = WeightUpdates(metrics.held_seconds, settings.upstream_timeout_s)
     front = FrontEnd(settings, metrics, SinkSlot(), collisions, updates)
     # The OpenAPI pages describe every route to whoever asks: served only when turned on.
     pages = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}

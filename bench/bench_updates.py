@@ -34,6 +34,8 @@ async def main(loops: int, every_s: float, token_s: float) -> None:
                 token_s=token_s,
             )
             print(run.row(name), flush=True)
+            for problem in run.outcome.critical[:5]:
+                print(f"  critical: {problem}", flush=True)
 
 
 if __name__ == "__main__":

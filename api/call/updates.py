@@ -36,16 +36,23 @@ KEEP_REFUSED = (
     "abort (cut calls are continued token-in on the new weights) or wait"
 )
 MODES = ("abort", "wait")
+HELD_TOO_LONG = (
+    "the engine was paused for a weight update and not resumed within {seconds} s "
+    "(model_server.upstream_timeout_s): retry the request"
+)
 
 
 class WeightUpdates:
     """One worker's view of a pause it was asked for: whether calls are held now."""
 
-    def __init__(self, held_seconds: Any = None) -> None:
+    def __init__(self, held_seconds: Any = None, most_s: float = 600.0) -> None:
         self._running = asyncio.Event()
         self._running.set()
         self.mode: str | None = None
         self._held_seconds = held_seconds
+        self.most_s = most_s  # a pause no resume ends: held calls fail retryably after it
+        # Resumes this worker made: a call in flight across one was sampled after it.
+        self.resumes = 0
 
     @property
     def paused(self) -> bool:
@@ -56,13 +63,21 @@ class WeightUpdates:
         if self._running.is_set():
             return
         started = time.perf_counter()
-        await self._running.wait()
+        try:
+            await asyncio.wait_for(self._running.wait(), self.most_s)
+        except TimeoutError:
+            raise UpstreamError(503, HELD_TOO_LONG.format(seconds=self.most_s)) from None
         if self._held_seconds is not None:
             self._held_seconds.observe(time.perf_counter() - started)
 
     def pause(self, mode: str) -> None:
         self.mode = mode
         self._running.clear()
+
+    def resuming(self) -> None:
+        """The engine is about to run on new weights: a call that comes back from now on
+        without being cut was held through the pause, and sampled after it."""
+        self.resumes += 1
 
     def resume(self) -> None:
         self.mode = None
@@ -116,6 +131,7 @@ async def resume_route(request: Request) -> Response:
             await front.policy.set(str(body["version"]))
         except Exception as exc:
             return plain_error(503, f"the store did not take the version ({type(exc).__name__})")
+    front.updates.resuming()
     try:
         await front.upstream.resume()
     except UpstreamError as exc:

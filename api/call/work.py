@@ -18,10 +18,10 @@ from typing import Any
 
 from api.call.capture import capture
 from api.call.policy import stamped
-from api.call.resume import Cut, continued, refuse_cut
+from api.call.resume import Cut, continued, is_cut, refuse_cut
 from api.call.traits import with_traits
 from api.edge.metrics import FrontEndMetrics
-from api.engine.generation import Generation, UpstreamError
+from api.engine.generation import Generation, UpstreamError, with_changes
 from api.prompts.faithful import Prompt
 from api.state import FrontEnd
 from api.types import Delta, ServedCall
@@ -74,6 +74,7 @@ async def _generate(
     """One sampled reply: the engine renders the chat request (text mode; relayed, each
     delta queued for the stream as it arrives), or continues the prompt's ids token-in and
     the reply is read from the sampled ids (faithful mode)."""
+    epoch = front.updates.resumes
     if work.deltas is not None:
         generation = None
         async for piece in front.upstream.chat_relay(chat_request):
@@ -83,9 +84,10 @@ async def _generate(
             else:
                 generation = piece
         assert generation is not None, "a relayed call ends with its generation"
-        return refuse_cut(generation)
+        return await _sampled_after(front, epoch, refuse_cut(generation))
     if prompt is None:
-        return refuse_cut(await front.upstream.chat(chat_request))
+        generation = refuse_cut(await front.upstream.chat(chat_request))
+        return await _sampled_after(front, epoch, generation)
     generation = await _token_in(front, prompt, chat_request.get("model"))
     assert front.prompts is not None, "a faithful prompt was built by the front end's prompts"
     return front.prompts.served(prompt, generation)
@@ -98,12 +100,11 @@ async def _token_in(front: FrontEnd, prompt: Prompt, model: Any) -> Generation:
 
     async def complete(ids: list[int], sampling: Mapping[str, Any]) -> Generation:
         await front.updates.held()  # a pause this worker knows of: wait for its resume
-        return await upstream.complete_ids(ids, sampling, model)
+        epoch = front.updates.resumes
+        return await _sampled_after(front, epoch, await upstream.complete_ids(ids, sampling, model))
 
     async def version_now() -> str | None:
-        with contextlib.suppress(Exception):  # an outage keeps the version last read
-            await front.policy.refresh()
-        return front.policy.current
+        return await _version_now(front)
 
     generation = await complete(prompt.ids, prompt.sampling)
     if upstream.routed_experts or not front.settings.resume_cut_calls:
@@ -111,6 +112,22 @@ async def _token_in(front: FrontEnd, prompt: Prompt, model: Any) -> Generation:
     whole = await continued(generation, prompt.ids, prompt.sampling, complete, version_now)
     front.metrics.record_resumes(whole.resumes)
     return whole
+
+
+async def _version_now(front: FrontEnd) -> str | None:
+    """The policy version in force now, read again from the store."""
+    with contextlib.suppress(Exception):  # an outage keeps the version last read
+        await front.policy.refresh()
+    return front.policy.current
+
+
+async def _sampled_after(front: FrontEnd, epoch: int, generation: Generation) -> Generation:
+    """A reply this worker resumed its engine under while it was in flight, and that was
+    not cut: the engine held it through the pause (in ``abort`` mode a call generating then
+    is cut), so all of it was sampled on the resume's weights, not the dispatch's."""
+    if front.updates.resumes == epoch or is_cut(generation) or generation.policy_version:
+        return generation
+    return with_changes(generation, policy_version=await _version_now(front))
 
 
 def _begin_call_while_dispatching() -> asyncio.Future[None] | None:

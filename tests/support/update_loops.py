@@ -76,7 +76,7 @@ def engine_settings(tmp_path: Path, token_s: float) -> dict[str, Any]:
 async def updating(front: str, engine: str, every_s: float, done: asyncio.Event) -> int:
     """The trainer: a weight update every ``every_s`` until ``done``; how many it made."""
     version = 0
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=600) as http:  # the engine may be busy sampling
         while not done.is_set():
             try:
                 await asyncio.wait_for(done.wait(), every_s)
@@ -85,11 +85,13 @@ async def updating(front: str, engine: str, every_s: float, done: asyncio.Event)
                 pass
             version += 1
             (await http.post(front + "/tokcap/pause", json={"mode": "abort"})).raise_for_status()
-            await asyncio.sleep(0.2)  # the update itself
-            body = {"new_version": str(version)}
-            (await http.post(engine + "/update_weight_version", json=body)).raise_for_status()
-            body = {"version": str(version)}
-            (await http.post(front + "/tokcap/resume", json=body)).raise_for_status()
+            try:
+                await asyncio.sleep(0.2)  # the update itself
+                body = {"new_version": str(version)}
+                (await http.post(engine + "/update_weight_version", json=body)).raise_for_status()
+            finally:  # never leave the engine paused: the loops would wait for ever
+                body = {"version": str(version)}
+                (await http.post(front + "/tokcap/resume", json=body)).raise_for_status()
     return version
 
 
