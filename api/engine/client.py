@@ -162,15 +162,19 @@ class UpstreamClient:
             moe=settings.moe,
         )
 
-    async def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """One POST of a JSON body; its JSON object reply, or an ``UpstreamError``."""
-        content = jsonbytes.dumps(body)  # ValueError for NaN
+    async def _taken(self, path: str, content: bytes) -> bytes:
+        """The reply body of one POST the engine took; an ``UpstreamError`` otherwise."""
         try:
             status, reply = await self._http.post(path, content)
         except TRANSPORT_ERRORS as exc:
             raise self._unreachable(exc) from exc
         if status >= 400:
             raise _refusal(status, reply)
+        return reply
+
+    async def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One POST of a JSON body; its JSON object reply, or an ``UpstreamError``."""
+        reply = await self._taken(path, jsonbytes.dumps(body))  # ValueError for NaN
         try:
             data = jsonbytes.loads(reply)
         except ValueError as exc:
@@ -182,13 +186,7 @@ class UpstreamClient:
     async def command(self, path: str, body: Mapping[str, Any] | None) -> None:
         """A POST to one of the engine's control routes (pause, resume), whose answer is its
         status only; an ``UpstreamError`` unless the engine took it."""
-        content = jsonbytes.dumps(body) if body is not None else b""
-        try:
-            status, reply = await self._http.post(path, content)
-        except TRANSPORT_ERRORS as exc:
-            raise self._unreachable(exc) from exc
-        if status >= 400:
-            raise _refusal(status, reply)
+        await self._taken(path, jsonbytes.dumps(body) if body is not None else b"")
 
     async def pause(self, mode: str) -> None:
         """Pause the engine for a weight update (``EngineAdapter.pause``)."""

@@ -17,6 +17,7 @@ the flags there), so every call is non-streamed. A token-in call is ``/generate`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -221,11 +222,6 @@ class SGLang:
     def relays(self) -> bool:
         return False
 
-    def chat_body(
-        self, chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], tuple[str, ...]]:
-        return adapter.chat_body(CHAT_PARAMS, chat_request, model, overrides)
-
     def read_chat(
         self, response: Mapping[str, Any], overridden_keys: tuple[str, ...], vocab_size: int | None
     ) -> Generation:
@@ -239,7 +235,8 @@ class SGLang:
     ) -> Generation:
         return generation
 
-    # The module's own readers, as they are: they need nothing learned of the engine.
+    # The module's own bodies and readers, as they are: they need nothing learned of the engine.
+    chat_body = staticmethod(functools.partial(adapter.chat_body, CHAT_PARAMS))
     tokenize = staticmethod(adapter.tokenize)
     tokens_body = staticmethod(tokens_body)
     read_tokens = staticmethod(read_tokens)

@@ -17,6 +17,7 @@ choice, and the log-probs are the legacy ``tokens`` / ``token_logprobs`` lists.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Mapping
@@ -271,11 +272,6 @@ class VLLM:
     def relays(self) -> bool:
         return self.release is not None and self.release >= RELAY_SINCE
 
-    def chat_body(
-        self, chat_request: Mapping[str, Any], model: str, overrides: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], tuple[str, ...]]:
-        return adapter.chat_body(CHAT_PARAMS, chat_request, model, overrides)
-
     def read_chat(
         self, response: Mapping[str, Any], overridden_keys: tuple[str, ...], vocab_size: int | None
     ) -> Generation:
@@ -302,7 +298,8 @@ class VLLM:
             return with_changes(generation, ids_problem=f"/tokenize: {problem}")
         return with_changes(generation, prompt_token_ids=prompt_ids, prompt_packed=packed)
 
-    # The module's own readers, as they are: they need nothing learned of the engine.
+    # The module's own bodies and readers, as they are: they need nothing learned of the engine.
+    chat_body = staticmethod(functools.partial(adapter.chat_body, CHAT_PARAMS))
     tokenize = staticmethod(adapter.tokenize)
     tokens_body = staticmethod(tokens_body)
     read_tokens = staticmethod(read_tokens)
