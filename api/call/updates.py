@@ -51,9 +51,8 @@ class WeightUpdates:
         self.mode: str | None = None
         self._held_seconds = held_seconds
         self.most_s = most_s  # a pause no resume ends: held calls fail retryably after it
-        # The version each resume this worker made set, in order: a call in flight across
-        # one, and not cut, was held through its pause and sampled after it.
-        self.resumed_versions: list[str | None] = []
+        # Resumes this worker made: a call in flight across one was sampled after it.
+        self.resumes = 0
 
     @property
     def paused(self) -> bool:
@@ -75,26 +74,12 @@ class WeightUpdates:
         self.mode = mode
         self._running.clear()
 
-    @property
-    def resumes(self) -> int:
-        """How many resumes this worker made: a call notes it at dispatch."""
-        return len(self.resumed_versions)
+    def resuming(self) -> None:
+        """The engine is about to run on new weights: a call that comes back from now on
+        without being cut was held through the pause, and sampled after it."""
+        self.resumes += 1
 
-    def first_resume_after(self, resumes: int) -> str | None:
-        """The version set by the first resume after a call noted ``resumes``: in ``abort``
-        mode a call generating during a pause is cut, so one that came back uncut across
-        it was held, then sampled on that resume's weights (and finished before the next
-        pause, or that one would have cut it)."""
-        return self.resumed_versions[resumes]
-
-    def cancel(self) -> None:
-        """A pause the engine refused: the calls go on, no resume happened."""
-        self.mode = None
-        self._running.set()
-
-    def resume(self, version: str | None = None) -> None:
-        if self.paused:
-            self.resumed_versions.append(version)
+    def resume(self) -> None:
         self.mode = None
         self._running.set()
 
@@ -121,7 +106,7 @@ async def pause_route(request: Request) -> Response:
     try:
         await front.upstream.pause(mode)
     except (UpstreamError, ValueError) as exc:
-        front.updates.cancel()  # the engine runs on: so do the calls
+        front.updates.resume()  # the engine runs on: so do the calls
         message = exc.message if isinstance(exc, UpstreamError) else str(exc)
         return plain_error(502 if isinstance(exc, UpstreamError) else 400, message)
     front.metrics.pauses.labels(mode=mode).inc()
@@ -146,10 +131,11 @@ async def resume_route(request: Request) -> Response:
             await front.policy.set(str(body["version"]))
         except Exception as exc:
             return plain_error(503, f"the store did not take the version ({type(exc).__name__})")
+    front.updates.resuming()
     try:
         await front.upstream.resume()
     except UpstreamError as exc:
         return plain_error(502, exc.message)
     finally:
-        front.updates.resume(front.policy.current)
+        front.updates.resume()
     return JSONResponse({"status": "resumed", "version": front.policy.current})

@@ -124,11 +124,10 @@ async def _version_now(front: FrontEnd) -> str | None:
 async def _sampled_after(front: FrontEnd, epoch: int, generation: Generation) -> Generation:
     """A reply this worker resumed its engine under while it was in flight, and that was
     not cut: the engine held it through the pause (in ``abort`` mode a call generating then
-    is cut), so all of it was sampled on that resume's weights, not the dispatch's."""
+    is cut), so all of it was sampled on the resume's weights, not the dispatch's."""
     if front.updates.resumes == epoch or is_cut(generation) or generation.policy_version:
         return generation
-    version = front.updates.first_resume_after(epoch) or await _version_now(front)
-    return with_changes(generation, policy_version=version)
+    return with_changes(generation, policy_version=await _version_now(front))
 
 
 def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
