@@ -67,7 +67,9 @@ async def continued(
     complete: Complete,
     version_now: VersionNow,
 ) -> Generation:
-    """``first``, continued token-in for as long as the engine cuts it, as one generation."""
+    """``first``, continued token-in for as long as the engine cuts it, as one generation;
+    ``Cut`` when it still ends cut (a part whose ids cannot be captured stops the
+    continuing, and an ``abort`` is never served as the model's end)."""
     parts = [first]
     while is_cut(parts[-1]) and parts[-1].ids_problem is None:
         if len(parts) > MAX_RESUMES:
@@ -82,7 +84,7 @@ async def continued(
         part = await complete(prompt_ids + sampled, params)
         version = part.policy_version or await version_now()
         parts.append(with_changes(part, policy_version=version))
-    return parts[0] if len(parts) == 1 else stitched(parts, prompt_ids)
+    return refuse_cut(parts[0] if len(parts) == 1 else stitched(parts, prompt_ids))
 
 
 def stitched(parts: list[Generation], prompt_ids: list[int]) -> Generation:

@@ -48,7 +48,6 @@ class WeightUpdates:
     def __init__(self, held_seconds: Any = None, most_s: float = 600.0) -> None:
         self._running = asyncio.Event()
         self._running.set()
-        self.mode: str | None = None
         self._held_seconds = held_seconds
         self.most_s = most_s  # a pause no resume ends: held calls fail retryably after it
         # Resumes this worker made: a call in flight across one was sampled after it.
@@ -70,8 +69,7 @@ class WeightUpdates:
         if self._held_seconds is not None:
             self._held_seconds.observe(time.perf_counter() - started)
 
-    def pause(self, mode: str) -> None:
-        self.mode = mode
+    def pause(self) -> None:
         self._running.clear()
 
     def resuming(self) -> None:
@@ -80,7 +78,6 @@ class WeightUpdates:
         self.resumes += 1
 
     def resume(self) -> None:
-        self.mode = None
         self._running.set()
 
 
@@ -102,7 +99,7 @@ async def pause_route(request: Request) -> Response:
         return plain_error(400, KEEP_REFUSED)
     if mode not in MODES:
         return plain_error(400, f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    front.updates.pause(mode)
+    front.updates.pause()
     try:
         await front.upstream.pause(mode)
     except (UpstreamError, ValueError) as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -103,12 +104,10 @@ async def _token_in(front: FrontEnd, prompt: Prompt, model: Any) -> Generation:
         epoch = front.updates.resumes
         return await _sampled_after(front, epoch, await upstream.complete_ids(ids, sampling, model))
 
-    async def version_now() -> str | None:
-        return await _version_now(front)
-
     generation = await complete(prompt.ids, prompt.sampling)
     if upstream.routed_experts or not front.settings.resume_cut_calls:
         return refuse_cut(generation)
+    version_now = functools.partial(_version_now, front)
     whole = await continued(generation, prompt.ids, prompt.sampling, complete, version_now)
     front.metrics.record_resumes(whole.resumes)
     return whole
