@@ -30,6 +30,8 @@ from api.edge.keys import OPEN_PATHS, RequireKey
 from api.edge.metrics import FrontEndMetrics
 from api.edge.prefix import CapturePrefixRouter, SinkSlot
 from api.engine.client import UpstreamClient
+from api.engine.engines_file import apply_engines, read_engines, watch_engines
+from api.engine.pool import EnginePool
 from api.prompts.faithful import faithful_prompts
 from api.settings import ServerSettings, settings_from_environment
 from api.state import FrontEnd
@@ -60,22 +62,30 @@ async def _start_sink(settings: ServerSettings) -> tuple[TokenSink | None, bool]
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI, front: FrontEnd) -> AsyncIterator[None]:
-    """This worker's sink (into the slot the router reads), upstream client, prompts and
+    """This worker's sink (into the slot the router reads), engine pool, prompts and
     policy version; then closed."""
-    sink, owned = await _start_sink(front.settings)
+    settings = front.settings
+    sink, owned = await _start_sink(settings)
     front.slot.sink = sink
-    upstream = UpstreamClient.from_settings(front.settings)
+    named = settings.engines_file and read_engines(settings.engines_file)
+    clients = [UpstreamClient.from_settings(settings, e) for e in named or settings.engines]
+    engines = EnginePool(clients, front.metrics)
+    prompts = faithful_prompts(settings)
     policy = PolicyVersion(sink)
-    front.started(upstream, faithful_prompts(front.settings), policy)
+    front.started(engines, prompts, policy)
     with contextlib.suppress(Exception):
         await policy.refresh()  # a version set before this worker started
-    following = asyncio.create_task(policy.follow())
+    following = [asyncio.create_task(policy.follow())]
+    if settings.engines_file:
+        apply = functools.partial(apply_engines, engines, settings, prompts)
+        following.append(asyncio.create_task(watch_engines(settings.engines_file, apply)))
     try:
         yield
     finally:
-        following.cancel()
+        for task in following:
+            task.cancel()
         front.slot.sink = None
-        await upstream.close()
+        await engines.close()
         if owned and sink is not None:
             await sink.close()
 
@@ -115,7 +125,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     metrics = FrontEndMetrics()
     collisions = CollisionWatch(metrics.rollout_id_collisions)
-    updates = WeightUpdates(metrics.held_seconds, settings.upstream_timeout_s)
+    updates = WeightUpdates(metrics.held_seconds, settings.upstream_timeout_s, metrics.resent)
     front = FrontEnd(settings, metrics, SinkSlot(), collisions, updates)
     # The OpenAPI pages describe every route to whoever asks: served only when turned on.
     pages = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}

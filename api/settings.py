@@ -36,6 +36,7 @@ ENV_CONFIG = "TOKCAP_CONFIG"
 # Environment overrides: variable -> the key it sets in the block (a nested key: two names).
 ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "TOKCAP_UPSTREAM": ("upstream",),
+    "TOKCAP_ENGINES_FILE": ("engines_file",),
     "TOKCAP_MODEL": ("model",),
     "TOKCAP_MAX_BODY_BYTES": ("max_body_bytes",),
     "TOKCAP_MAX_INFLIGHT_BYTES": ("max_inflight_bytes",),
@@ -96,13 +97,44 @@ class MoeSettings(BaseModel):
     experts: int | None = Field(default=None, gt=0)
 
 
+class EngineSettings(BaseModel):
+    """One engine of a pool given as a mapping: its URL, and its own key where engines'
+    keys differ (else ``upstream_api_key``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(min_length=1)
+    api_key: str | None = Field(default=None, repr=False)
+
+
+def engine_list(value: Any) -> list[EngineSettings]:
+    """``upstream`` or an engines file's list as engines: a URL, a comma-separated list of
+    them (how ``TOKCAP_UPSTREAM`` names a pool), or a list of URLs and mappings."""
+    if isinstance(value, str):
+        value = [url.strip() for url in value.split(",") if url.strip()]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must name at least one engine: a URL or a list of them")
+    engines = [EngineSettings(url=item) if isinstance(item, str) else item for item in value]
+    engines = [EngineSettings.model_validate(item) for item in engines]
+    urls = [engine.url.rstrip("/") for engine in engines]
+    if len(set(urls)) != len(urls):
+        raise ValueError("names one engine twice")
+    return engines
+
+
 class ServerSettings(BaseModel):
     """The ``model_server`` block, validated once: what ``create_app``, ``tokcap serve`` and
     the probe read. The capture settings come from the ``token_id_capture`` block."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    upstream: str = "http://127.0.0.1:8001"  # tokcap engine's default port
+    # The engine's URL (tokcap engine's default port), or a pool of engines: a list of URLs
+    # (or ``{url, api_key}`` mappings), or URLs separated by commas (``api.engine.pool``).
+    upstream: str | list[str | EngineSettings] = "http://127.0.0.1:8001"
+    # A file naming the pool as ``upstream`` does (a YAML list, or one URL per line),
+    # re-read when it changes, so engines join and leave while the front end runs; it wins
+    # over ``upstream`` while it exists and names an engine.
+    engines_file: str | None = None
     # Model name sent upstream; None asks the upstream's /v1/models once.
     model: str | None = None
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
@@ -148,6 +180,22 @@ class ServerSettings(BaseModel):
             super().__init__(**fields)
         except ValidationError as exc:
             raise InvalidSettings.of(exc) from None
+
+    @field_validator("upstream")
+    @classmethod
+    def _engines_named(cls, upstream: Any) -> Any:
+        engine_list(upstream)
+        return upstream
+
+    @property
+    def engines(self) -> list[EngineSettings]:
+        """The engines ``upstream`` names, each with its key."""
+        return [
+            engine
+            if engine.api_key
+            else engine.model_copy(update={"api_key": self.upstream_api_key})
+            for engine in engine_list(self.upstream)
+        ]
 
     @field_validator("engine")
     @classmethod

@@ -7,15 +7,16 @@ engine room's (``api.engine.probe``).
 from __future__ import annotations
 
 from api.engine.client import UpstreamClient
-from api.engine.probe import EngineReport, probe_client
+from api.engine.probe import EngineReport, probe_pool
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.settings import ServerSettings
 
 
 async def probe(settings: ServerSettings, prompts: FaithfulPrompts | None = None) -> EngineReport:
-    """Probe the engine ``settings`` names, with its own short-lived client. ``prompts`` is
-    the faithful prompt builder the caller already loaded, if any (else it is loaded here;
-    a renderer that cannot load fails here)."""
+    """Probe the engines ``settings`` names, each with its own short-lived client.
+    ``prompts`` is the faithful prompt builder the caller already loaded, if any (else it
+    is loaded here; a renderer that cannot load fails here)."""
     if prompts is None:
         prompts = faithful_prompts(settings)
-    return await probe_client(UpstreamClient.from_settings(settings), prompts)
+    clients = [UpstreamClient.from_settings(settings, engine) for engine in settings.engines]
+    return await probe_pool(clients, prompts)

@@ -1,8 +1,8 @@
 """What one front-end worker's routes read: its settings, its parts and their metrics.
 
 One typed object on ``app.state.front_end`` instead of loose attributes, so the hop to the
-engine (``upstream``) and the sink are visible to a reader and to type checkers alike. The
-parts a lifespan builds (the upstream client, the prompts, the policy version) are set
+engines (``engines``) and the sink are visible to a reader and to type checkers alike. The
+parts a lifespan builds (the engine pool, the prompts, the policy version) are set
 when the worker starts, before any request is served.
 """
 
@@ -17,14 +17,14 @@ from api.call.policy import PolicyVersion
 from api.call.updates import WeightUpdates
 from api.edge.metrics import FrontEndMetrics
 from api.edge.prefix import SinkSlot
-from api.engine.client import UpstreamClient
+from api.engine.pool import EnginePool
 from api.prompts.faithful import FaithfulPrompts
 from api.settings import ServerSettings
 
 
 @dataclass
 class FrontEnd:
-    """One worker's front end; ``upstream`` and ``policy`` exist once its lifespan began."""
+    """One worker's front end; ``engines`` and ``policy`` exist once its lifespan began."""
 
     settings: ServerSettings
     metrics: FrontEndMetrics
@@ -32,14 +32,14 @@ class FrontEnd:
     collisions: CollisionWatch
     updates: WeightUpdates
     prompts: FaithfulPrompts | None = None
-    _upstream: UpstreamClient | None = field(default=None, repr=False)
+    _engines: EnginePool | None = field(default=None, repr=False)
     _policy: PolicyVersion | None = field(default=None, repr=False)
 
     @property
-    def upstream(self) -> UpstreamClient:
-        if self._upstream is None:
-            raise RuntimeError("the front end's lifespan has not started: no upstream client")
-        return self._upstream
+    def engines(self) -> EnginePool:
+        if self._engines is None:
+            raise RuntimeError("the front end's lifespan has not started: no engines")
+        return self._engines
 
     @property
     def policy(self) -> PolicyVersion:
@@ -48,9 +48,9 @@ class FrontEnd:
         return self._policy
 
     def started(
-        self, upstream: UpstreamClient, prompts: FaithfulPrompts | None, policy: PolicyVersion
+        self, engines: EnginePool, prompts: FaithfulPrompts | None, policy: PolicyVersion
     ) -> None:
-        self._upstream, self.prompts, self._policy = upstream, prompts, policy
+        self._engines, self.prompts, self._policy = engines, prompts, policy
 
 
 def front_end(request: Request) -> FrontEnd:

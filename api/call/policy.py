@@ -46,6 +46,10 @@ class PolicyVersion:
         """Whether the version lives in the store (else only in this worker)."""
         return self._sink is not None
 
+    def now(self) -> str | None:
+        """The version a request sent now is stamped with."""
+        return self.current
+
     async def set(self, version: str) -> None:
         if self._sink is not None:
             await self._sink.set_policy_version(version)
@@ -101,8 +105,8 @@ async def policy_version_route(request: Request) -> Response:
 
 def stamped(generation: Generation, dispatched_under: str | None) -> Generation:
     """The generation with the version it ran under: the engine's own report wins over
-    the trainer's version at dispatch. A resumed call's first part is the one dispatched;
-    its later parts carry the version they were sampled under (``api.call.resume``)."""
+    the trainer's version when its request was sent (``api.call.updates.Flight``). A
+    resumed call's parts each carry their own (``api.call.resume``)."""
     if generation.policy_version is None and dispatched_under is not None:
         generation = with_changes(generation, policy_version=dispatched_under)
     spans = generation.version_spans

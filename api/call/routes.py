@@ -41,7 +41,7 @@ async def models(request: Request) -> Response:
     front = front_end(request)
     configured = front.settings.model
     try:
-        upstream = await front.upstream.models()
+        upstream = await front.engines.models()
     except UpstreamError as exc:
         if not configured:
             return error_response(chat, exc.status, exc.message)
@@ -72,7 +72,7 @@ async def count_tokens(request: Request) -> Response:
         except RequestError as exc:
             return bad_request(anthropic, exc)
         return JSONResponse({"input_tokens": len(ids)})
-    client = front.upstream
+    client = front.engines.first
     chat_request["model"] = await client.model_name(chat_request.get("model"))
     try:
         ids = await client.tokenize(chat_request)

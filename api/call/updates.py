@@ -7,7 +7,8 @@ Pause: the worker holds new calls instead of sending them (a streamed call is ke
 meanwhile) and pauses its engine in that mode; in ``abort`` mode the engine cuts the calls
 in flight, and each is continued once the engine is back (``api.call.resume``). Resume:
 the new version is set (stored first, so every worker stamps what is sampled from now on
-with it), the engine resumed, the held calls let go.
+with it), the requests still out settled (``WeightUpdates.settle``), the engine resumed,
+the held calls let go.
 
 ``keep`` is refused: the engine would continue each call in flight on the new weights
 without a word, and the front end could not tell which of its ids each version sampled.
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -42,16 +45,50 @@ HELD_TOO_LONG = (
 )
 
 
-class WeightUpdates:
-    """One worker's view of a pause it was asked for: whether calls are held now."""
+# A resume waits for the requests sent before its pause while their replies keep coming:
+# a reply the engine finished before the pause is on its way, but a busy worker may take a
+# while to read it (each one thrown away is sampling lost). Once none came for QUIET_S (or
+# ten times the event loop's lag, if longer), or after SETTLE_S in all, those still out
+# were held by the engine, or are too late to tell apart from one: they are sent again.
+QUIET_S = 0.5
+SETTLE_S = 10.0
 
-    def __init__(self, held_seconds: Any = None, most_s: float = 600.0) -> None:
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Flight:
+    """One engine request this worker sent, from its sending to its reply."""
+
+    version: str | None  # the policy version in force when it was sent
+    pauses: int  # the pauses this worker had made by then
+    started: bool = False  # the engine showed it sampling (a relayed delta)
+    released: bool = False  # sent again: it had not come back when the engine resumed
+    task: asyncio.Future[Any] | None = None
+
+
+class WeightUpdates:
+    """One worker's side of the pauses it was asked for: whether calls are held now, and
+    the engine requests it has out, so that each reply's version is known exactly.
+
+    Nothing is sampled while the engine is paused, so a reply that came back before the
+    resume was sampled on the weights it was sent under. A request still out when the
+    engine is about to resume either finished before the pause (its reply still on the
+    way) or was held by the engine (it reached the engine after the pause began, and will
+    be sampled on the new weights). The two cannot be told apart from the front end, so
+    ``settle`` waits a moment for the first kind and sends the rest again once the engine
+    runs: every reply's version is then the one its request was sent under.
+    """
+
+    def __init__(self, held_seconds: Any = None, most_s: float = 600.0, resent: Any = None) -> None:
         self._running = asyncio.Event()
         self._running.set()
         self._held_seconds = held_seconds
+        self._resent = resent
         self.most_s = most_s  # a pause no resume ends: held calls fail retryably after it
-        # Resumes this worker made: a call in flight across one was sampled after it.
-        self.resumes = 0
+        self.settle_s = SETTLE_S
+        self.pauses = 0
+        self._flights: set[Flight] = set()
 
     @property
     def paused(self) -> bool:
@@ -69,16 +106,65 @@ class WeightUpdates:
         if self._held_seconds is not None:
             self._held_seconds.observe(time.perf_counter() - started)
 
+    async def sent(
+        self, request: Callable[[Flight], Awaitable[T]], version: Callable[[], str | None]
+    ) -> tuple[T, Flight]:
+        """``request``'s reply once no pause holds it, and its flight (the version it was
+        sent under); sent again if a resume released it."""
+        while True:
+            await self.held()
+            flight = Flight(version(), self.pauses)
+            flight.task = asyncio.ensure_future(request(flight))
+            self._flights.add(flight)
+            try:
+                return await flight.task, flight
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not flight.released or (current is not None and current.cancelling()):
+                    raise
+            finally:
+                self._flights.discard(flight)
+
     def pause(self) -> None:
+        self.pauses += 1
         self._running.clear()
 
-    def resuming(self) -> None:
-        """The engine is about to run on new weights: a call that comes back from now on
-        without being cut was held through the pause, and sampled after it."""
-        self.resumes += 1
+    async def settle(self) -> int:
+        """Before the engine resumes: wait for the requests out that showed no sampling
+        while their replies keep coming (at most ``settle_s``), then release those still
+        out (sent again after the resume).
+        How many were released."""
+        waiting = [f for f in self._flights if f.task and not f.task.done() and not f.started]
+        await _while_coming([f.task for f in waiting if f.task], self.settle_s)
+        released = [f for f in waiting if f.task and not f.task.done()]
+        for flight in released:
+            flight.released = True
+            assert flight.task is not None
+            flight.task.cancel()
+        if released:  # their connections closed before the resume, so the engine drops them
+            await asyncio.wait([f.task for f in released if f.task], timeout=self.settle_s)
+        if released and self._resent is not None:
+            self._resent.inc(len(released))
+        return len(released)
 
     def resume(self) -> None:
         self._running.set()
+
+
+async def _while_coming(tasks: list[asyncio.Future[Any]], most_s: float) -> None:
+    """Wait for ``tasks`` while they keep finishing: until all are done, none finished in a
+    quiet window, or ``most_s`` passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + most_s
+    pending = {task for task in tasks if not task.done()}
+    while pending and loop.time() < deadline:
+        before = loop.time()
+        await asyncio.sleep(0)
+        quiet = max(QUIET_S, 10 * (loop.time() - before))
+        window = min(quiet, deadline - loop.time())
+        done, pending = await asyncio.wait(pending, timeout=max(window, 0))
+        if not done:
+            return
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -101,7 +187,7 @@ async def pause_route(request: Request) -> Response:
         return plain_error(400, f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     front.updates.pause()
     try:
-        await front.upstream.pause(mode)
+        await front.engines.pause(mode)
     except (UpstreamError, ValueError) as exc:
         front.updates.resume()  # the engine runs on: so do the calls
         message = exc.message if isinstance(exc, UpstreamError) else str(exc)
@@ -128,9 +214,9 @@ async def resume_route(request: Request) -> Response:
             await front.policy.set(str(body["version"]))
         except Exception as exc:
             return plain_error(503, f"the store did not take the version ({type(exc).__name__})")
-    front.updates.resuming()
+    await front.updates.settle()
     try:
-        await front.upstream.resume()
+        await front.engines.resume()
     except UpstreamError as exc:
         return plain_error(502, exc.message)
     finally:

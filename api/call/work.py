@@ -21,7 +21,9 @@ from api.call.capture import capture
 from api.call.policy import stamped
 from api.call.resume import Cut, continued, is_cut, refuse_cut
 from api.call.traits import with_traits
+from api.call.updates import Flight
 from api.edge.metrics import FrontEndMetrics
+from api.engine.client import UpstreamClient
 from api.engine.generation import Generation, UpstreamError, with_changes
 from api.prompts.faithful import Prompt
 from api.state import FrontEnd
@@ -69,40 +71,84 @@ class CallWork:
             self.task.add_done_callback(unserved)
 
 
-async def _generate(
+async def _served(
     front: FrontEnd, chat_request: dict[str, Any], prompt: Prompt | None, work: CallWork
 ) -> Generation:
-    """One sampled reply: the engine renders the chat request (text mode; relayed, each
-    delta queued for the stream as it arrives), or continues the prompt's ids token-in and
-    the reply is read from the sampled ids (faithful mode)."""
-    epoch = front.updates.resumes
+    """The reply of the engine that holds the call's rollout (``api.engine.pool``), which
+    its entry names: every part of the call goes to that engine."""
+    engine = front.engines.choose(work.call.rollout_id if work.call else None)
+    async with front.engines.serving(engine) as client:
+        generation = await _generate(front, client, chat_request, prompt, work)
+    return with_changes(
+        generation, entry_fields={**generation.entry_fields, "engine": engine.where}
+    )
+
+
+async def _generate(
+    front: FrontEnd,
+    client: UpstreamClient,
+    chat_request: dict[str, Any],
+    prompt: Prompt | None,
+    work: CallWork,
+) -> Generation:
+    """One sampled reply with the version that sampled it: the engine renders the chat
+    request (text mode; relayed, each delta queued for the stream as it arrives), or
+    continues the prompt's ids token-in and the reply is read from the sampled ids
+    (faithful mode). Each engine request goes out through ``WeightUpdates.sent``."""
+    updates = front.updates
     if work.deltas is not None:
-        generation = None
-        async for piece in front.upstream.chat_relay(chat_request):
-            if isinstance(piece, Delta):
-                work.deltas.put_nowait(piece)
-                work.started.set()
-            else:
-                generation = piece
-        assert generation is not None, "a relayed call ends with its generation"
-        return await _sampled_after(front, epoch, refuse_cut(generation))
+        generation, flight = await updates.sent(
+            functools.partial(_relayed, client, chat_request, work), front.policy.now
+        )
+        return stamped(refuse_cut(generation), flight.version)
     if prompt is None:
-        generation = refuse_cut(await front.upstream.chat(chat_request))
-        return await _sampled_after(front, epoch, generation)
-    generation = await _token_in(front, prompt, chat_request.get("model"))
+        generation, flight = await updates.sent(
+            lambda _flight: client.chat(chat_request), front.policy.now
+        )
+        return stamped(refuse_cut(generation), flight.version)
+    generation = await _token_in(front, client, prompt, chat_request.get("model"))
     assert front.prompts is not None, "a faithful prompt was built by the front end's prompts"
     return front.prompts.served(prompt, generation)
 
 
-async def _token_in(front: FrontEnd, prompt: Prompt, model: Any) -> Generation:
+async def _relayed(
+    client: UpstreamClient, chat_request: dict[str, Any], work: CallWork, flight: Flight
+) -> Generation:
+    """A relayed reply: each delta queued for the stream as it arrives (the first shows
+    the engine sampling it), then the generation."""
+    assert work.deltas is not None, "a relayed call has a stream to feed"
+    generation = None
+    async for piece in client.chat_relay(chat_request):
+        if isinstance(piece, Delta):
+            flight.started = True
+            work.deltas.put_nowait(piece)
+            work.started.set()
+        else:
+            generation = piece
+    assert generation is not None, "a relayed call ends with its generation"
+    return generation
+
+
+async def _token_in(
+    front: FrontEnd, upstream: UpstreamClient, prompt: Prompt, model: Any
+) -> Generation:
     """A token-in call, continued where the engine cut it (``api.call.resume``); routes
-    are not stitched, so a call that captures them fails instead."""
-    upstream = front.upstream
+    are not stitched, so a call that captures them fails instead.
+
+    Each part carries the version it was sent under, except a continuation of a part cut
+    while this worker knew of no pause: someone else paused the engine, which held the
+    continuation until its own resume, so that part carries the version read on return."""
+    updates = front.updates
+    external = False  # the last part was cut by a pause this worker did not make
 
     async def complete(ids: list[int], sampling: Mapping[str, Any]) -> Generation:
-        await front.updates.held()  # a pause this worker knows of: wait for its resume
-        epoch = front.updates.resumes
-        return await _sampled_after(front, epoch, await upstream.complete_ids(ids, sampling, model))
+        nonlocal external
+        generation, flight = await updates.sent(
+            lambda _flight: upstream.complete_ids(ids, sampling, model), front.policy.now
+        )
+        trusted = not external
+        external = is_cut(generation) and updates.pauses == flight.pauses and not updates.paused
+        return stamped(generation, flight.version) if trusted else generation
 
     generation = await complete(prompt.ids, prompt.sampling)
     if upstream.routed_experts or not front.settings.resume_cut_calls:
@@ -118,15 +164,6 @@ async def _version_now(front: FrontEnd) -> str | None:
     with contextlib.suppress(Exception):  # an outage keeps the version last read
         await front.policy.refresh()
     return front.policy.current
-
-
-async def _sampled_after(front: FrontEnd, epoch: int, generation: Generation) -> Generation:
-    """A reply this worker resumed its engine under while it was in flight, and that was
-    not cut: the engine held it through the pause (in ``abort`` mode a call generating then
-    is cut), so all of it was sampled on the resume's weights, not the dispatch's."""
-    if front.updates.resumes == epoch or is_cut(generation) or generation.policy_version:
-        return generation
-    return with_changes(generation, policy_version=await _version_now(front))
 
 
 def _begin_call_while_dispatching() -> asyncio.Future[None] | None:
@@ -164,11 +201,8 @@ async def run_call(
     intent = _begin_call_while_dispatching()
     started = time.perf_counter()
     try:
-        await front.updates.held()  # a pause this worker knows of: hold the call until it ends
-        dispatched_under = front.policy.current  # a version set while it runs is not its own
         with front.collisions.watching(work.call, traits):
-            generation = await _generate(front, chat_request, prompt, work)
-            generation = stamped(with_traits(generation, traits), dispatched_under)
+            generation = with_traits(await _served(front, chat_request, prompt, work), traits)
     except asyncio.CancelledError:  # the harness hung up: nothing reached it
         await _resolve_intent(intent)
         metrics.record_call(dialect, "abandoned")

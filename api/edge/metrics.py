@@ -62,10 +62,39 @@ class FrontEndMetrics:
 
     def __post_init__(self) -> None:
         self._count_updates()
+        self._count_engines()
         self._count_calls()
         self._time_calls()
         self._count_prompts()
         self._watch_redis()
+
+    def _count_engines(self) -> None:
+        """Each engine of the pool (``api.engine.pool``), labelled by its host and port."""
+        self.engine_calls = Counter(
+            "tokcap_engine_calls",
+            "Model calls sent to each engine, by outcome (served, or failed upstream)",
+            ["engine", "outcome"],
+            registry=self.registry,
+        )
+        self.engine_in_flight = Gauge(
+            "tokcap_engine_in_flight",
+            "Model calls in flight to each engine, summed over workers",
+            ["engine"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.engine_ejections = Counter(
+            "tokcap_engine_ejections",
+            "Times an engine was taken out of the pool (unreachable, or answering 5xx)",
+            ["engine"],
+            registry=self.registry,
+        )
+        self.engine_moves = Counter(
+            "tokcap_engine_moves",
+            "Rollouts whose call went to another engine than their last call, by the new one",
+            ["engine"],
+            registry=self.registry,
+        )
 
     def _count_updates(self) -> None:
         """Calls across weight updates: cut by their engine, then continued or failed."""
@@ -85,6 +114,12 @@ class FrontEndMetrics:
             "tokcap_held_seconds",
             "Time a call was held by this front end while its engine was paused",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.resent = Counter(
+            "tokcap_resent_requests",
+            "Engine requests still out without a sampled token when a resume came, sent "
+            "again so that each reply's policy version is exact",
             registry=self.registry,
         )
         self.pauses = Counter(

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from api.edge.metrics import FrontEndMetrics
 from api.engine.client import UpstreamClient
 from api.engine.generation import UpstreamError
+from api.engine.pool import EnginePool
 from api.state import front_end
 from capture.protocols import TokenSink
 
@@ -77,6 +78,20 @@ async def _sink_memory(
     return [readout.as_dict() for readout in readouts]
 
 
+async def _engines_problem(pool: EnginePool) -> tuple[str | None, list[dict[str, Any]]]:
+    """Why no engine of the pool can serve a call now, or None; and each engine's state
+    with its own problem, if any."""
+    report = pool.report()
+    problems = await asyncio.gather(*(_upstream_problem(engine.client) for engine in pool.engines))
+    for row, problem in zip(report, problems, strict=True):
+        if problem is not None:
+            row["problem"] = problem
+    serving = [p for row, p in zip(report, problems, strict=True) if row["state"] != "draining"]
+    if any(problem is None for problem in serving):
+        return None, report
+    return (serving[0] if len(serving) == 1 else "no engine of the pool answers"), report
+
+
 async def _upstream_problem(upstream: UpstreamClient) -> str | None:
     """Why the upstream cannot serve a call now (GET /v1/models), or None."""
     try:
@@ -98,15 +113,17 @@ async def ready(request: Request) -> Response:
     """
     front = front_end(request)
     sink = front.slot.sink
-    sink_problem, upstream_problem, memory = await asyncio.gather(
-        _sink_problem(sink), _upstream_problem(front.upstream), _sink_memory(sink, front.metrics)
+    sink_problem, (upstream_problem, engines), memory = await asyncio.gather(
+        _sink_problem(sink), _engines_problem(front.engines), _sink_memory(sink, front.metrics)
     )
     problems = {
         name: problem
         for name, problem in (("sink", sink_problem), ("upstream", upstream_problem))
         if problem is not None
     }
-    extra = {"redis_memory": memory} if memory else {}
+    extra: dict[str, Any] = {"engines": engines}
+    if memory:
+        extra["redis_memory"] = memory
     if problems:
         return JSONResponse({"status": "not ready", "problems": problems, **extra}, status_code=503)
     return JSONResponse({"status": "ready", **extra})

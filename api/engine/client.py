@@ -84,7 +84,9 @@ def _refusal(status: int, content: bytes) -> UpstreamError:
     """An engine's error reply as the harness is told it: the harness may fix a 4xx itself;
     a 5xx is the upstream's fault, a bad gateway."""
     return UpstreamError(
-        status if status < 500 else 502, f"upstream: {_error_message(status, content)}"
+        status if status < 500 else 502,
+        f"upstream: {_error_message(status, content)}",
+        engine_down=status >= 500,
     )
 
 
@@ -147,16 +149,18 @@ class UpstreamClient:
         self._learned = False
 
     @classmethod
-    def from_settings(cls, settings: Any) -> UpstreamClient:
-        """The client a front end's ``ServerSettings`` describe."""
+    def from_settings(cls, settings: Any, engine: Any = None) -> UpstreamClient:
+        """The client of one engine (``EngineSettings``; the first named when None) that a
+        front end's ``ServerSettings`` describe."""
+        engine = engine or settings.engines[0]
         return cls(
-            settings.upstream,
+            engine.url,
             model=settings.model,
             sampling_overrides=settings.sampling_overrides,
             timeout_s=settings.upstream_timeout_s,
             vocab_size=settings.vocab_size,
             engine=settings.engine,
-            api_key=settings.upstream_api_key,
+            api_key=engine.api_key,
             connections=settings.upstream_connections,
             routed_experts=settings.routed_experts,
             moe=settings.moe,
@@ -251,7 +255,9 @@ class UpstreamClient:
         return with_routes(generation, response, self.adapter, self.moe)
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
-        return UpstreamError(502, f"upstream {self.where} unreachable: {type(exc).__name__}")
+        return UpstreamError(
+            502, f"upstream {self.where} unreachable: {type(exc).__name__}", engine_down=True
+        )
 
     async def _chat_body(
         self, chat_request: Mapping[str, Any]
@@ -290,7 +296,9 @@ class UpstreamClient:
                         yield delta
             except TRANSPORT_ERRORS as exc:
                 raise UpstreamError(
-                    502, f"upstream {self.where} stream broke off: {type(exc).__name__}"
+                    502,
+                    f"upstream {self.where} stream broke off: {type(exc).__name__}",
+                    engine_down=True,
                 ) from exc
         generation = adapter.read_chat(stream.response(), overridden, self.vocab_size)
         problem = stream.unfinished()
@@ -317,6 +325,11 @@ class UpstreamClient:
             if attempt:
                 raise error
             clamp = after_refusal(error, body, self.max_model_len, clamp)
+
+    @property
+    def served_model(self) -> str | None:
+        """The engine's first served model, once asked (``learn``)."""
+        return self._served_model
 
     async def model_name(self, requested: Any) -> str:
         """The configured model, else the upstream's first, else what the harness named."""

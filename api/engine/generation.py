@@ -15,12 +15,15 @@ from capture.routes import Routes
 
 
 class UpstreamError(Exception):
-    """The upstream returned no usable output; ``status`` is what the harness is told."""
+    """The upstream returned no usable output; ``status`` is what the harness is told.
+    ``engine_down``: the engine could not be reached or failed (5xx), rather than refusing
+    this request; a pool takes such an engine out (``api.engine.pool``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, engine_down: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.engine_down = engine_down
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class EngineReport:
     where: str
     max_model_len: int | None
     warnings: list[str] = field(default_factory=list)
+    model: str | None = None  # the engine's first served model, as it answered
 
     def banner(self) -> str:
         length = self.max_model_len or "unknown"
@@ -112,7 +113,7 @@ async def probe_engine(client: UpstreamClient) -> EngineReport:
                 f"the engine returns log-probs before temperature, but sampling_overrides "
                 f"samples at temperature {temperature}: {hints['raw']}"
             )
-    report = EngineReport(family, client.where, client.max_model_len)
+    report = EngineReport(family, client.where, client.max_model_len, model=client.served_model)
     unpinned = unpinned_keys(client.sampling_overrides)
     if unpinned:
         report.warnings.append(
@@ -187,3 +188,35 @@ def _failure_hint(exc: UpstreamError) -> str:
         " (an engine that cannot answer a plain chat call cannot serve the harness: a vLLM "
         "started with --skip-tokenizer-init does this; start it with its tokenizer)"
     )
+
+
+def odd_engine(first: EngineReport, other: EngineReport) -> str | None:
+    """Why ``other`` cannot serve beside ``first`` in one pool (family, model, context
+    window), or None; an engine the probe could not reach is judged at its first call."""
+    if any(w.startswith("probe skipped") for w in (*first.warnings, *other.warnings)):
+        return None
+    for what, mine, theirs in (
+        ("engine family", first.family, other.family),
+        ("model", first.model, other.model),
+        ("max_model_len", first.max_model_len, other.max_model_len),
+    ):
+        if mine != theirs:
+            return f"engine {other.where} serves {what} {theirs!r}, {first.where} {mine!r}"
+    return None
+
+
+async def probe_pool(clients: list[UpstreamClient], prompts: TokenInPrompts | None) -> EngineReport:
+    """Probe every engine of a pool (each client closed after); all must agree on family,
+    model and context window (and, with faithful prompts, each takes the renderer's ids),
+    or ``EngineRefused`` names the odd one. One report for the pool."""
+    reports = [await probe_client(client, prompts) for client in clients]
+    first = reports[0]
+    for report in reports[1:]:
+        problem = odd_engine(first, report)
+        if problem is not None:
+            raise EngineRefused(f"the pool's engines differ: {problem}")
+    if len(reports) == 1:
+        return first
+    warnings = list(dict.fromkeys(w for report in reports for w in report.warnings))
+    where = ", ".join(report.where for report in reports)
+    return EngineReport(first.family, where, first.max_model_len, warnings, first.model)

@@ -26,7 +26,9 @@ UPSTREAM_PASSWORD = "upstream-pass-51e0"
 def test_ready_when_the_file_store_and_the_engine_answer(tmp_path: Path) -> None:
     with both_servers(tmp_path / "captures") as servers:
         response = httpx.get(servers.front + "/ready", timeout=30)
-    assert response.status_code == 200 and response.json() == {"status": "ready"}
+    engine = {"engine": servers.engine, "state": "up", "in_flight": 0, "served": 0, "failed": 0}
+    assert response.status_code == 200
+    assert response.json() == {"status": "ready", "engines": [{**engine, "ejections": 0}]}
 
 
 def test_ready_without_a_sink_asks_only_the_upstream() -> None:

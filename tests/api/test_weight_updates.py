@@ -240,6 +240,38 @@ def test_a_call_sent_during_a_pause_is_held_kept_alive_and_sampled_on_the_new_we
     assert [r["weight_version"] for r in truth] == ["2"]
 
 
+def test_a_request_the_engine_held_through_the_pause_is_sent_again_under_the_new_version(
+    tmp_path: Path,
+) -> None:
+    """A request that reached the engine after its pause began is held there, and would be
+    sampled on the new weights while the front end thinks it was sent under the old ones:
+    the resume sends it again instead, and the reply carries the version that sampled it."""
+    engine = _engine(tmp_path)
+    with engine_server(**engine) as engine_url:
+        settings = file_store_settings(engine_url, tmp_path / "store", **FAITHFUL)
+        with front_end(settings) as front:
+            httpx.put(front + "/tokcap/policy_version", json={"version": "1"}).raise_for_status()
+            httpx.post(engine_url + "/pause", params={"mode": "abort"}).raise_for_status()
+            base = lambda rollout: f"{front}/ng-rollout/{rollout}/training-token-capture"  # noqa: E731
+            running = _calls(base, ["in-transit"], streamed=set())
+            deadline = time.monotonic() + 30
+            while httpx.get(engine_url + "/tokcap/pauses").json()["held"] < 1:
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                time.sleep(0.05)
+            _update_weights(front, engine_url, "2")
+            [reply] = _join(running).values()
+            truth = httpx.get(engine_url + "/tokcap/ground_truth").json()
+            metrics = httpx.get(front + "/metrics").text
+    assert isinstance(reply, anthropic.types.Message), reply
+    # The held request is dropped when its connection closes (or, if the engine notices
+    # that only after the resume, sampled and thrown away): either way under version 2.
+    assert {record["weight_version"] for record in truth} == {"2"}
+    entry = freeze(tmp_path / "store", "in-transit").entries[0]
+    assert list(entry.generation_token_ids) in [record["token_ids"] for record in truth]
+    assert entry.policy_version == "2"
+    assert "tokcap_resent_requests_total 1.0" in metrics
+
+
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [

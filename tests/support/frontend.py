@@ -59,10 +59,11 @@ class Servers:
 
 
 @contextlib.contextmanager
-def engine_server(**settings: Any) -> Iterator[str]:
-    """The engine in a thread; its ground-truth route is on (the checks read it)."""
+def engine_server(port: int | None = None, **settings: Any) -> Iterator[str]:
+    """The engine in a thread (on ``port``, else a free one); its ground-truth route is on
+    (the checks read it)."""
     settings.setdefault("ground_truth", True)
-    with serve_app(create_engine_app(EngineSettings(**settings))) as url:
+    with serve_app(create_engine_app(EngineSettings(**settings)), port=port) as url:
         yield url
 
 

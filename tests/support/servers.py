@@ -23,9 +23,12 @@ __all__ = ["free_port", "wait_http", "serve_app", "run_process"]
 
 
 @contextlib.contextmanager
-def serve_app(app: Any, *, ready_path: str = "/health", **config: Any) -> Iterator[str]:
-    """Run an ASGI app with uvicorn in a thread; yields its base URL."""
-    port = free_port()
+def serve_app(
+    app: Any, *, ready_path: str = "/health", port: int | None = None, **config: Any
+) -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a thread (on ``port``, else a free one); yields its
+    base URL."""
+    port = port or free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config)
     )

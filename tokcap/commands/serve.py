@@ -220,7 +220,11 @@ def run(args: argparse.Namespace) -> int:
     except (TokenCaptureError, OSError) as exc:  # a sink that cannot be reached, say
         print(f"tokcap serve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    engine = report.banner() if report is not None else f"upstream {where(settings.upstream)}"
+    engine = (
+        report.banner()
+        if report is not None
+        else "upstream " + ", ".join(where(e.url) for e in settings.engines)
+    )
     print(
         f"tokcap serve: http://{args.host}:{args.port} -> {engine} "
         f"(capture {capture}, {args.workers} worker(s); {open_file_room()})",

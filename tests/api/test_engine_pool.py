@@ -1,0 +1,174 @@
+"""Many engines behind one front end (issue 34), judged from each engine's ground truth.
+
+Every call of a rollout goes to one engine, chosen by rendezvous hashing of the rollout id:
+the engine that sampled a call is the one whose ground truth holds its prompt, and the
+entry names it. An engine that dies is taken out (its rollouts' next calls go to the next
+engine in their order) and comes back when it answers again; engines named in a watched
+file join and leave while calls run, and a leaving one is drained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+import yaml
+
+from api.engine.pool import score
+from tests.support.frontend import engine_server, file_store_settings, freeze, front_end
+from tests.support.servers import free_port
+
+
+def _converse(front: str, rollout: str, turns: int, retries: int = 0) -> list[str]:
+    """``turns`` Messages calls of one rollout, each with the whole conversation so far."""
+    sdk = anthropic.Anthropic(
+        base_url=f"{front}/ng-rollout/{rollout}/training-token-capture",
+        api_key="dummy",
+        max_retries=retries,
+    )
+    messages: list[dict[str, Any]] = []
+    replies = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Turn {turn} of {rollout}: go on."})
+        reply = sdk.messages.create(model="m", max_tokens=64, messages=messages)
+        text = "".join(block.text for block in reply.content if block.type == "text")
+        messages.append({"role": "assistant", "content": text})
+        replies.append(text)
+    return replies
+
+
+def _home(rollout: str, engines: list[str]) -> str:
+    """The engine rendezvous hashing gives ``rollout`` among ``engines``."""
+    return max(engines, key=lambda url: score(rollout, url))
+
+
+def _sampled_by(truths: dict[str, list[dict]], prompt: list[int]) -> list[str]:
+    """The engines whose ground truth holds a call with this prompt."""
+    return [
+        url for url, truth in truths.items() if any(r["prompt_token_ids"] == prompt for r in truth)
+    ]
+
+
+def _truths(engines: list[str]) -> dict[str, list[dict]]:
+    return {url: httpx.get(url + "/tokcap/ground_truth").json() for url in engines}
+
+
+def _engine_of(entry: Any) -> str:
+    return (entry.model_extra or {})["engine"]
+
+
+def _engines_in_order(store: Path, rollout: str) -> list[str]:
+    """The engine each call of ``rollout`` was served by, in the order of the calls."""
+    entries = sorted(freeze(store, rollout).entries, key=lambda entry: entry.created_at)
+    return [_engine_of(entry) for entry in entries]
+
+
+def test_each_rollout_stays_on_one_engine_which_its_entries_name(tmp_path: Path) -> None:
+    rollouts = [f"pool-{n}" for n in range(24)]
+    with contextlib.ExitStack() as stack:
+        engines = [stack.enter_context(engine_server()) for _ in range(3)]
+        front = stack.enter_context(front_end(file_store_settings(engines, tmp_path / "store")))
+        for rollout in rollouts:
+            _converse(front, rollout, turns=3)
+        truths = _truths(engines)
+        ready = httpx.get(front + "/ready").json()
+        metrics = httpx.get(front + "/metrics").text
+    homes = {rollout: _home(rollout, engines) for rollout in rollouts}
+    assert set(homes.values()) == set(engines)  # all three take rollouts
+    for rollout in rollouts:
+        entries = freeze(tmp_path / "store", rollout).entries
+        assert len(entries) == 3
+        for entry in entries:
+            assert _sampled_by(truths, list(entry.prompt_token_ids)) == [homes[rollout]]
+            assert _engine_of(entry) == homes[rollout]
+    assert [row["engine"] for row in ready["engines"]] == engines
+    assert all(row["state"] == "up" and "problem" not in row for row in ready["engines"])
+    for url in engines:
+        served = 3 * sum(1 for home in homes.values() if home == url)
+        assert f'tokcap_engine_calls_total{{engine="{url}",outcome="served"}} {served}.0' in metrics
+
+
+def test_a_dead_engine_is_taken_out_and_takes_its_rollouts_back_when_it_answers(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    rollouts = [f"failover-{n}" for n in range(12)]
+    with engine_server() as steady:
+        doomed = f"http://127.0.0.1:{port}"
+        engines = [steady, doomed]
+        moving = [r for r in rollouts if _home(r, engines) == doomed]
+        assert moving, "some rollout lives on the engine that dies"
+        settings = file_store_settings(engines, tmp_path / "store")
+        with front_end(settings) as front:
+            with engine_server(port=port):
+                for rollout in rollouts:
+                    _converse(front, rollout, turns=1)
+            # The engine is gone: its rollouts' calls fail once (retried by the SDK), then
+            # go to the steady engine.
+            for rollout in rollouts:
+                _converse(front, rollout, turns=1, retries=2)
+            down = httpx.get(front + "/ready").json()
+            with engine_server(port=port):
+                deadline = time.monotonic() + 30
+                while httpx.get(front + "/ready").json()["engines"][1]["state"] != "up":
+                    assert time.monotonic() < deadline, "the engine never came back"
+                    time.sleep(0.2)
+                for rollout in moving:
+                    _converse(front, rollout, turns=1)
+                back = _truths([doomed])[doomed]
+            metrics = httpx.get(front + "/metrics").text
+    assert down["status"] == "ready" and down["engines"][1]["state"] == "out"
+    for rollout in moving:
+        named = _engines_in_order(tmp_path / "store", rollout)
+        assert named == [doomed, steady, doomed]  # out, then back home
+    assert len(back) == len(moving)  # the restarted engine's own record: the calls back home
+    assert f'tokcap_engine_ejections_total{{engine="{doomed}"}} 1.0' in metrics
+    assert f'tokcap_engine_moves_total{{engine="{steady}"}} {len(moving)}.0' in metrics
+
+
+def _wait_for_pool(front: str, engines: list[str]) -> None:
+    deadline = time.monotonic() + 30
+    while [row["engine"] for row in httpx.get(front + "/ready").json().get("engines", [])] != (
+        engines
+    ):
+        assert time.monotonic() < deadline, f"the pool never became {engines}"
+        time.sleep(0.2)
+
+
+def test_engines_named_in_the_watched_file_join_and_leave_while_calls_run(tmp_path: Path) -> None:
+    pool_file = tmp_path / "engines.yaml"
+    rollouts = [f"joins-{n}" for n in range(12)]
+    with engine_server() as first, engine_server() as second:
+        pool_file.write_text(yaml.safe_dump([first]))
+        settings = file_store_settings("http://127.0.0.1:1", tmp_path / "store")
+        settings = settings.model_copy(update={"engines_file": str(pool_file)})
+        with front_end(settings) as front:
+            for rollout in rollouts:
+                _converse(front, rollout, turns=1)
+            pool_file.write_text(f"{first}\n{second}\n")  # one URL per line works too
+            _wait_for_pool(front, [first, second])
+            for rollout in rollouts:
+                _converse(front, rollout, turns=1)
+            pool_file.write_text(yaml.safe_dump([second]))
+            _wait_for_pool(front, [second])
+            for rollout in rollouts:
+                _converse(front, rollout, turns=1)
+    for rollout in rollouts:
+        named = _engines_in_order(tmp_path / "store", rollout)
+        assert named == [first, _home(rollout, [first, second]), second]
+
+
+@pytest.mark.parametrize(
+    ("upstream", "words"),
+    [([], "at least one engine"), (["http://a:1", "http://a:1/"], "twice")],
+)
+def test_a_pool_that_names_no_engine_or_one_twice_is_refused(upstream: Any, words: str) -> None:
+    from api.settings import InvalidSettings, ServerSettings
+
+    with pytest.raises(InvalidSettings, match=words):
+        ServerSettings(upstream=upstream)
