@@ -25,6 +25,7 @@ from api.call.updates import Flight
 from api.edge.metrics import FrontEndMetrics
 from api.engine.client import UpstreamClient
 from api.engine.generation import Generation, UpstreamError, with_changes
+from api.engine.http import ROUTING_KEY
 from api.prompts.faithful import Prompt
 from api.state import FrontEnd
 from api.types import Delta, ServedCall
@@ -76,7 +77,9 @@ async def _served(
 ) -> Generation:
     """The reply of the engine that holds the call's rollout (``api.engine.pool``), which
     its entry names: every part of the call goes to that engine."""
-    engine = front.engines.choose(work.call.rollout_id if work.call else None)
+    rollout_id = work.call.rollout_id if work.call else None
+    engine = front.engines.choose(rollout_id)
+    ROUTING_KEY.set(rollout_id)  # this task's own context: a router keeps the rollout too
     async with front.engines.serving(engine) as client:
         generation = await _generate(front, client, chat_request, prompt, work)
     return with_changes(

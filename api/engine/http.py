@@ -13,11 +13,27 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 
 import aiohttp
 from yarl import URL
 
 JSON_HEADERS = {"content-type": "application/json"}
+# The rollout of the call being served (set by ``api.call.work``), sent as the affinity key
+# a router in front of the engines reads, so that it keeps a rollout on one engine: the
+# SGLang Model Gateway's (sglang-router) ``consistent_hashing`` and ``manual`` policies
+# read X-SMG-Routing-Key, vllm-router's ``consistent_hash`` policy X-Session-ID first.
+ROUTING_KEY: ContextVar[str | None] = ContextVar("tokcap_routing_key", default=None)
+ROUTING_HEADERS = ("x-smg-routing-key", "x-session-id")
+
+
+def _headers() -> dict[str, str]:
+    key = ROUTING_KEY.get()
+    if key is None:
+        return JSON_HEADERS
+    return {**JSON_HEADERS, **dict.fromkeys(ROUTING_HEADERS, key)}
+
+
 # uvicorn, which serves vLLM and SGLang, closes a connection idle for 5 s; a pooled one kept
 # as long can be closed just as a request goes out on it. Expire ours well before that.
 KEEPALIVE_EXPIRY_S = 2.0
@@ -74,7 +90,7 @@ class EngineHTTP:
 
     async def _post_once(self, path: str, content: bytes) -> tuple[int, bytes]:
         session = self._open()
-        async with session.post(self._url(path), data=content, headers=JSON_HEADERS) as reply:
+        async with session.post(self._url(path), data=content, headers=_headers()) as reply:
             return reply.status, await reply.read()
 
     @asynccontextmanager
@@ -85,7 +101,7 @@ class EngineHTTP:
         engine is told to abort the request (vLLM and SGLang both listen for it).
         """
         session = self._open()
-        async with session.post(self._url(path), data=content, headers=JSON_HEADERS) as reply:
+        async with session.post(self._url(path), data=content, headers=_headers()) as reply:
             try:
                 yield reply
             except BaseException:

@@ -173,23 +173,37 @@ class EnginePool:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def each(self, action: str, *args: Any) -> None:
-        """Run a control command (pause, resume) on every engine not taken out; the first
-        failure, naming its engine, once all were asked."""
-        engines = [engine for engine in self.engines if engine.state != "out"]
+    async def _each(
+        self, engines: list[Engine], action: str, *args: Any
+    ) -> list[tuple[Engine, Exception]]:
+        """Run a control command (pause, resume) on ``engines`` at once; the failures."""
         outcomes = await asyncio.gather(
             *(getattr(engine.client, action)(*args) for engine in engines),
             return_exceptions=True,
         )
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
+        failures = []
+        for engine, outcome in zip(engines, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                failures.append((engine, outcome))
+            elif isinstance(outcome, BaseException):  # a cancellation: not the engine's failure
                 raise outcome
+        return failures
 
     async def pause(self, mode: str) -> None:
-        await self.each("pause", mode)
+        """Pause every engine not taken out; if one fails, those paused are resumed (the
+        pool runs on as one) and its error raised."""
+        engines = [engine for engine in self.engines if engine.state != "out"]
+        failures = await self._each(engines, "pause", mode)
+        if failures:
+            failed = {engine for engine, _ in failures}
+            await self._each([e for e in engines if e not in failed], "resume")
+            raise failures[0][1]
 
     async def resume(self) -> None:
-        await self.each("resume")
+        """Resume every engine not taken out; the first failure raised once all were asked."""
+        failures = await self._each([e for e in self.engines if e.state != "out"], "resume")
+        if failures:
+            raise failures[0][1]
 
     async def models(self) -> list[dict[str, Any]]:
         return await self.first.models()

@@ -18,10 +18,12 @@ import anthropic
 import httpx
 import pytest
 import yaml
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from api.engine.pool import score
 from tests.support.frontend import engine_server, file_store_settings, freeze, front_end
-from tests.support.servers import free_port
+from tests.support.servers import free_port, serve_app
 
 
 def _converse(front: str, rollout: str, turns: int, retries: int = 0) -> list[str]:
@@ -161,6 +163,59 @@ def test_engines_named_in_the_watched_file_join_and_leave_while_calls_run(tmp_pa
     for rollout in rollouts:
         named = _engines_in_order(tmp_path / "store", rollout)
         assert named == [first, _home(rollout, [first, second]), second]
+
+
+def _header_recorder(engine: str, seen: list[dict[str, str]]) -> FastAPI:
+    """A pass-through to ``engine`` that keeps each sampling request's headers: what a
+    router in front of the engines would read."""
+    app = FastAPI()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(path: str, request: Request) -> Response:
+        if request.method == "POST":
+            seen.append(dict(request.headers))
+        async with httpx.AsyncClient(timeout=60) as client:
+            reply = await client.request(
+                request.method,
+                f"{engine}/{path}",
+                content=await request.body(),
+                headers={"content-type": "application/json"},
+            )
+        return Response(reply.content, reply.status_code, media_type="application/json")
+
+    return app
+
+
+def test_every_engine_request_carries_the_rollout_as_the_routers_affinity_key(
+    tmp_path: Path,
+) -> None:
+    seen: list[dict[str, str]] = []
+    with engine_server() as engine:
+        with serve_app(_header_recorder(engine, seen), ready_path="/health") as router:
+            with front_end(file_store_settings(router, tmp_path / "store")) as front:
+                _converse(front, "keyed-rollout", turns=2)
+                httpx.post(  # no rollout: nothing to keep together
+                    front + "/v1/messages",
+                    json={
+                        "model": "m",
+                        "max_tokens": 8,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                    headers={"x-api-key": "dummy"},
+                ).raise_for_status()
+    keyed = [headers for headers in seen if "x-smg-routing-key" in headers]
+    assert len(keyed) == 2 and len(seen) == 3
+    assert all(h["x-smg-routing-key"] == h["x-session-id"] == "keyed-rollout" for h in keyed)
+
+
+def test_a_pause_and_resume_reach_every_engine_of_the_pool(tmp_path: Path) -> None:
+    with engine_server() as first, engine_server() as second:
+        with front_end(file_store_settings([first, second], tmp_path / "store")) as front:
+            httpx.post(front + "/tokcap/pause", json={"mode": "abort"}).raise_for_status()
+            paused = [httpx.get(url + "/is_paused").json()["is_paused"] for url in (first, second)]
+            httpx.post(front + "/tokcap/resume", json={"version": "2"}).raise_for_status()
+            running = [httpx.get(url + "/is_paused").json()["is_paused"] for url in (first, second)]
+    assert paused == [True, True] and running == [False, False]
 
 
 @pytest.mark.parametrize(
