@@ -30,7 +30,7 @@ from api.edge.keys import OPEN_PATHS, RequireKey
 from api.edge.metrics import FrontEndMetrics
 from api.edge.prefix import CapturePrefixRouter, SinkSlot
 from api.engine.client import UpstreamClient
-from api.engine.engines_file import apply_engines, read_engines, watch_engines
+from api.engine.engines_file import apply_engines, named_engines, watch_engines
 from api.engine.pool import EnginePool
 from api.prompts.faithful import faithful_prompts
 from api.settings import ServerSettings, settings_from_environment
@@ -67,8 +67,7 @@ async def _lifespan(app: FastAPI, front: FrontEnd) -> AsyncIterator[None]:
     settings = front.settings
     sink, owned = await _start_sink(settings)
     front.slot.sink = sink
-    named = settings.engines_file and read_engines(settings.engines_file)
-    clients = [UpstreamClient.from_settings(settings, e) for e in named or settings.engines]
+    clients = [UpstreamClient.from_settings(settings, e) for e in named_engines(settings)]
     engines = EnginePool(clients, front.metrics)
     prompts = faithful_prompts(settings)
     policy = PolicyVersion(sink)

@@ -7,6 +7,7 @@ engine room's (``api.engine.probe``).
 from __future__ import annotations
 
 from api.engine.client import UpstreamClient
+from api.engine.engines_file import named_engines
 from api.engine.probe import EngineReport, probe_pool
 from api.prompts.faithful import FaithfulPrompts, faithful_prompts
 from api.settings import ServerSettings
@@ -18,5 +19,5 @@ async def probe(settings: ServerSettings, prompts: FaithfulPrompts | None = None
     is loaded here; a renderer that cannot load fails here)."""
     if prompts is None:
         prompts = faithful_prompts(settings)
-    clients = [UpstreamClient.from_settings(settings, engine) for engine in settings.engines]
+    clients = [UpstreamClient.from_settings(settings, e) for e in named_engines(settings)]
     return await probe_pool(clients, prompts)

@@ -160,7 +160,7 @@ class UpstreamClient:
             timeout_s=settings.upstream_timeout_s,
             vocab_size=settings.vocab_size,
             engine=settings.engine,
-            api_key=engine.api_key,
+            api_key=engine.api_key or settings.upstream_api_key,
             connections=settings.upstream_connections,
             routed_experts=settings.routed_experts,
             moe=settings.moe,

@@ -49,6 +49,12 @@ def read_engines(path: str | Path) -> list[EngineSettings] | None:
         return None
 
 
+def named_engines(settings: ServerSettings) -> list[EngineSettings]:
+    """The pool at start-up: the engines file's, while it names one, else ``upstream``'s."""
+    named = read_engines(settings.engines_file) if settings.engines_file else None
+    return named or settings.engines
+
+
 def _stamp(path: str | Path) -> float | None:
     try:
         return os.stat(path).st_mtime_ns

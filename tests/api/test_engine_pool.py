@@ -9,6 +9,7 @@ file join and leave while calls run, and a leaving one is drained.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from api.engine.pool import score
+from api.engine.probe import EngineRefused
+from api.settings import ServerSettings
+from api.startup import probe
 from tests.support.frontend import engine_server, file_store_settings, freeze, front_end
 from tests.support.servers import free_port, serve_app
 
@@ -223,7 +227,20 @@ def test_a_pause_and_resume_reach_every_engine_of_the_pool(tmp_path: Path) -> No
     [([], "at least one engine"), (["http://a:1", "http://a:1/"], "twice")],
 )
 def test_a_pool_that_names_no_engine_or_one_twice_is_refused(upstream: Any, words: str) -> None:
-    from api.settings import InvalidSettings, ServerSettings
+    from api.settings import InvalidSettings
 
     with pytest.raises(InvalidSettings, match=words):
         ServerSettings(upstream=upstream)
+
+
+PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def test_the_start_up_probe_refuses_a_pool_whose_engines_differ_naming_the_odd_one() -> None:
+    with engine_server() as first, engine_server() as same, engine_server(model="other") as odd:
+        alike = ServerSettings(upstream=[first, same], sampling_overrides=PINNED)
+        report = asyncio.run(probe(alike))
+        with pytest.raises(EngineRefused) as refused:
+            asyncio.run(probe(ServerSettings(upstream=[first, odd], sampling_overrides=PINNED)))
+    assert report.where == f"{first}, {same}" and report.model == "tokcap-engine"
+    assert odd in str(refused.value) and "'other'" in str(refused.value)
