@@ -7,8 +7,8 @@ Pause: the worker holds new calls instead of sending them (a streamed call is ke
 meanwhile) and pauses its engine in that mode; in ``abort`` mode the engine cuts the calls
 in flight, and each is continued once the engine is back (``api.call.resume``). Resume:
 the new version is set (stored first, so every worker stamps what is sampled from now on
-with it), the requests still out settled (``WeightUpdates.settle``), the engine resumed,
-the held calls let go.
+with it), the engine resumed, the held calls let go. The requests still out are settled
+(``WeightUpdates.settle``) once the engine has paused, and again before it resumes.
 
 ``keep`` is refused: the engine would continue each call in flight on the new weights
 without a word, and the front end could not tell which of its ids each version sampled.
@@ -193,6 +193,10 @@ async def pause_route(request: Request) -> Response:
         message = exc.message if isinstance(exc, UpstreamError) else str(exc)
         return plain_error(502 if isinstance(exc, UpstreamError) else 400, message)
     front.metrics.pauses.labels(mode=mode).inc()
+    # Settled now, not at the resume: a request the engine held is dropped when its
+    # connection closes, and the weight update gives the engine time to notice before it
+    # resumes (else it may start the request first, and sample what is thrown away).
+    await front.updates.settle()
     return JSONResponse({"status": "paused", "mode": mode})
 
 
