@@ -20,9 +20,9 @@ from yarl import URL
 
 JSON_HEADERS = {"content-type": "application/json"}
 # The rollout of the call being served (set by ``api.call.work``), sent as the affinity key
-# a router in front of the engines reads, so that it keeps a rollout on one engine: the
-# SGLang Model Gateway's (sglang-router) ``consistent_hashing`` and ``manual`` policies
-# read X-SMG-Routing-Key, vllm-router's ``consistent_hash`` policy X-Session-ID first.
+# a router in front of the engines reads, so that it keeps a rollout on one engine: smg's
+# (the Shepherd Model Gateway, 1.13) ``consistent_hashing`` and ``manual`` policies read
+# X-SMG-Routing-Key, vllm-router's (0.1.17) ``consistent_hash`` policy X-Session-ID first.
 ROUTING_KEY: ContextVar[str | None] = ContextVar("tokcap_routing_key", default=None)
 ROUTING_HEADERS = ("x-smg-routing-key", "x-session-id")
 
