@@ -23,7 +23,8 @@ goes to the dead-letter stream with its error and is acked. One process runs
 The queue itself (read, claim, heartbeat, ack, dead letter) is ``transports.rebuild.shards``:
 with ``shards`` > 1, or on a Redis Cluster (``cluster``), every worker reads every shard of
 the queue in its group; a job's dead letter, its errors and its result stay on its shard,
-the one of its rollout id. Reading jobs and joining the groups ride out a lost connection in
+the one of its rollout id. Reading jobs and joining the groups ride out a lost connection, or
+a cluster master that cannot prove the durability yet (``RebuildWorker.is_outage``), in
 ``capture.outage``'s loop, pausing ``READ_RETRY_PAUSE_S`` between tries, until ``stop``.
 """
 
@@ -123,12 +124,28 @@ class RebuildWorker:
             )
         await retry_through_outage(
             self._join_groups,
-            is_outage=lambda exc: isinstance(exc, TRANSIENT_ERRORS) and not self._stop.is_set(),
+            is_outage=lambda exc: self.is_outage(exc) and not self._stop.is_set(),
             pause_after=lambda failures: READ_RETRY_PAUSE_S,
             on_outage=lambda exc, pause_s: log.warning(
                 "cannot create the consumer groups (%s); retrying", exc
             ),
+            between=self.source.refresh,
         )
+
+    def is_outage(self, exc: Exception) -> bool:
+        """Whether a failed job read, group join or heartbeat is tried again: a transient
+        error, or one the store waits out in its own operations (``RedisTokenStore.is_outage``).
+
+        The queue goes through the store's client, whose every new connection proves the
+        durability: on a cluster with ``replicas:N`` a master that has just been promoted
+        (its lost peer not yet back as its replica), or one that lost its replica, refuses
+        that proof with a ConfigError. The store waits that out; judged by its type alone it
+        ended the worker's task, silently, and every job queued after a failover stayed
+        unread (a CI run of the killed-master test saw it). Between tries the slot map is
+        read again (``RedisTokenStore.refresh``): a refusal by a replica that a stale map
+        names as the master would otherwise repeat for ever.
+        """
+        return isinstance(exc, TRANSIENT_ERRORS) or self.source.is_outage(exc)
 
     async def _join_groups(self) -> None:
         """Agree on the streams' layout with every other user, then join the job groups."""
@@ -161,11 +178,12 @@ class RebuildWorker:
             try:
                 jobs = await retry_through_outage(
                     self._take_jobs,
-                    is_outage=lambda exc: isinstance(exc, TRANSIENT_ERRORS),
+                    is_outage=self.is_outage,
                     pause_after=lambda failures: READ_RETRY_PAUSE_S,
                     on_outage=lambda exc, pause_s: log.warning(
                         "cannot read jobs (%s); retrying in %g s", exc, pause_s
                     ),
+                    between=self.source.refresh,
                 )
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -221,7 +239,9 @@ class RebuildWorker:
                 continue
             try:
                 await self.jobs.touch(jobs)
-            except TRANSIENT_ERRORS as exc:
+            except Exception as exc:
+                if not self.is_outage(exc):
+                    raise
                 log.warning("heartbeat failed: %s", exc)
 
     def streams_of(self, rollout_id: str) -> Streams:

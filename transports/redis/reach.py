@@ -156,16 +156,20 @@ class RedisReach:
 
         try:
             return await retry_through_outage(
-                operation, is_outage=self._is_outage, pause_after=pause_after, between=self._refresh
+                operation, is_outage=self.is_outage, pause_after=pause_after, between=self.refresh
             )
         except OutageOutlasted as outlasted:
             raise RedisUnavailableError(
                 f"{self.where} unreachable after {outlasted.failures} attempts: {outlasted.last}"
             ) from outlasted.last
 
-    def _is_outage(self, exc: Exception) -> bool:
+    def is_outage(self, exc: Exception) -> bool:
         """Whether ``exc`` may pass by waiting: a lost connection, or on a cluster a master
-        promoted after start that cannot prove the guarantee yet."""
+        promoted after start that cannot prove the guarantee yet.
+
+        Public because the rebuild worker reads its jobs through this client's proving
+        connections, so its reads meet the same refusals and must wait them out the same way.
+        """
         if isinstance(exc, AuthenticationError):
             return False  # wrong credentials do not get better by retrying
         if isinstance(exc, TRANSIENT_ERRORS):
@@ -177,8 +181,13 @@ class RedisReach:
         promoted = self.cluster and self.durability is not None
         return promoted and not isinstance(exc, EvictingRedisError)
 
-    async def _refresh(self) -> None:
-        """Read a cluster's slot map again; a failure is the next attempt's to report."""
+    async def refresh(self) -> None:
+        """Read a cluster's slot map again; a failure is the next attempt's to report.
+
+        Needed besides redis-py's own re-reads: a map read from a node with a stale view
+        can name a replica as a slot's master, whose new connections then fail their proof
+        before any command could answer MOVED, so redis-py never learns the map is wrong.
+        """
         if self._cluster is None:
             return
         try:

@@ -161,6 +161,20 @@ class RedisTokenStore:
 
     start = check
 
+    def is_outage(self, exc: Exception) -> bool:
+        """Whether ``exc``, raised through this store's client, passes by waiting, as the
+        store's own operations judge it: a lost connection, a cluster replacing a master,
+        or (on a cluster, once proven) a node whose new connection cannot prove the
+        durability yet, such as a promoted master before its lost peer is back as its
+        replica. Whoever else uses ``client`` (the rebuild worker's job reads) asks here
+        instead of judging by the error's type alone."""
+        return self._reach.is_outage(exc)
+
+    async def refresh(self) -> None:
+        """On a cluster, read the slot map again (nothing on one server), as the store does
+        between the tries of its own operations; for whoever else retries on ``client``."""
+        await self._reach.refresh()
+
     @property
     def client(self) -> Any:
         """The store's own client once ``check`` has connected it (None before): its
