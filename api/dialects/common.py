@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,6 +66,9 @@ def arguments_object(arguments: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+LARGEST_INT = 2**63 - 1
+
+
 def number(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...] = (int, float)) -> Any:
     """A numeric request field, or None; booleans are not numbers here.
 
@@ -73,11 +77,17 @@ def number(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...] = (i
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestError(f"{key} must be a finite number")
     if kind is int and isinstance(value, float) and value.is_integer():
-        return int(value)
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, kind):
         what = "an integer" if kind is int else "a number"
         raise RequestError(f"{key} must be {what}, got {value!r}")
+    if isinstance(value, int) and not -LARGEST_INT <= value <= LARGEST_INT:
+        # An engine takes 64-bit integers (and the capture packs them): a larger one would
+        # be sampled, then fail its capture.
+        raise RequestError(f"{key} is out of range: at most {LARGEST_INT}")
     return value
 
 

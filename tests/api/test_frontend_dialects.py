@@ -8,14 +8,16 @@ engine; these pin the corner cases one by one.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import httpx
 import pytest
 
 from api.dialects import anthropic, chat, responses
 from api.dialects.common import RequestError
 from api.ids import item_id
 from api.types import Delta
-from tests.support.frontend import sse_events
+from tests.support.frontend import both_servers, sse_events
 
 
 def test_anthropic_blocks_become_chat_messages_in_order() -> None:
@@ -324,3 +326,25 @@ def test_responses_relay_opens_an_item_per_kind_and_completes_with_their_ids() -
     assert texts == ["Running."] and arguments == ['{"command": ', '"ls"}', "{}"]
     positions = [data["output_index"] for name, data in events if name.endswith(".delta")]
     assert positions == [0, 0, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        ("/v1/messages", "max_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/chat/completions", "max_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", "max_output_tokens", {"input": "hi"}),
+        ("/v1/chat/completions", "seed", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_a_number_no_engine_takes_is_a_400_naming_its_field_and_nothing_is_sampled(
+    tmp_path: Path, path: str, field: str, body: dict
+) -> None:
+    huge = {"model": "m", **body, field: 10**30}
+    if field != "max_tokens" and path == "/v1/chat/completions":
+        huge["max_tokens"] = 8
+    with both_servers(tmp_path / "store") as servers:
+        reply = httpx.post(servers.base("huge") + path, json=huge, headers={"x-api-key": "k"})
+        sampled = servers.ground_truth()
+    assert reply.status_code == 400 and field in reply.text and "out of range" in reply.text
+    assert sampled == []
