@@ -22,7 +22,8 @@ import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from api.engine.pool import score
+from api.engine.client import UpstreamClient
+from api.engine.pool import EnginePool, score
 from api.engine.probe import EngineRefused
 from api.settings import ServerSettings
 from api.startup import probe
@@ -244,3 +245,23 @@ def test_the_start_up_probe_refuses_a_pool_whose_engines_differ_naming_the_odd_o
             asyncio.run(probe(ServerSettings(upstream=[first, odd], sampling_overrides=PINNED)))
     assert report.where == f"{first}, {same}" and report.model == "tokcap-engine"
     assert odd in str(refused.value) and "'other'" in str(refused.value)
+
+
+def test_bounded_load_sends_a_call_to_the_next_engine_only_when_its_own_is_far_over_its_share() -> (
+    None
+):
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+    pool = EnginePool([UpstreamClient(url) for url in urls])
+    rollout = "bounded-rollout"
+    order = sorted(urls, key=lambda url: score(rollout, url), reverse=True)
+    engines = {engine.url: engine for engine in pool.engines}
+    engines[order[0]].in_flight = 20  # over an even share, but within twice it (and 8 more)
+    engines[order[1]].in_flight = engines[order[2]].in_flight = 10
+    assert pool.choose(rollout).url == order[0]
+    engines[order[0]].in_flight = 60  # over twice the share: this call goes to the next
+    assert pool.choose(rollout).url == order[1]
+    engines[order[0]].in_flight = 0
+    engines[order[0]].state = "out"  # taken out: its rollouts go to the next in their order
+    assert pool.choose(rollout).url == order[1]
+    engines[order[1]].state = "draining"  # leaving: takes no new call either
+    assert pool.choose(rollout).url == order[2]
