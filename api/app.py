@@ -74,7 +74,7 @@ async def _lifespan(app: FastAPI, front: FrontEnd) -> AsyncIterator[None]:
     front.started(engines, prompts, policy)
     with contextlib.suppress(Exception):
         await policy.refresh()  # a version set before this worker started
-    following = [asyncio.create_task(policy.follow())]
+    following = [asyncio.create_task(policy.follow()), asyncio.create_task(engines.watch_health())]
     if settings.engines_file:
         apply = functools.partial(apply_engines, engines, settings, prompts)
         following.append(asyncio.create_task(watch_engines(settings.engines_file, apply)))

@@ -16,8 +16,9 @@ worker's, a few dozen calls an engine, whose ordinary swings reach 1.5 times the
 
 Failover: an engine that cannot be reached, or answers 5xx, is taken out at once; its call
 fails as a lone engine's does (the harness retries), and its rollouts' next calls go to the
-next engine in their order. It is asked ``GET /v1/models`` every ``REPROBE_S`` until it
-answers, and then takes its rollouts back. An engine removed from the pool is drained: it
+next engine in their order. So is one that fails its health check (``GET /v1/models``,
+asked of each engine every ``HEALTH_S``), before a call finds it gone. It is asked again
+every ``REPROBE_S`` until it answers, and then takes its rollouts back. An engine removed from the pool is drained: it
 takes no call from then on, and is closed once its calls in flight are done.
 """
 
@@ -37,6 +38,7 @@ from api.engine.generation import UpstreamError
 LOAD_BOUND = 2.0
 LOAD_SLACK = 8
 REPROBE_S = 1.0
+HEALTH_S = 5.0
 
 State = Literal["up", "out", "draining"]
 
@@ -155,6 +157,16 @@ class EnginePool:
             status, _ = await engine.client.ask("/v1/models")
             if status == 200 and engine.state == "out":
                 engine.state = "up"
+
+    async def watch_health(self) -> None:
+        """Take out each engine that fails its health check, until cancelled."""
+        while True:
+            await asyncio.sleep(HEALTH_S)
+            live = self._taking()
+            answers = await asyncio.gather(*(e.client.ask("/v1/models") for e in live))
+            for engine, (status, _) in zip(live, answers, strict=True):
+                if status != 200:
+                    self.eject(engine)
 
     def change(self, keep: set[str], joining: dict[str, UpstreamClient]) -> None:
         """Make the pool the engines in ``keep`` and ``joining`` (url -> its new client):

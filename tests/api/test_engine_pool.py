@@ -265,3 +265,23 @@ def test_bounded_load_sends_a_call_to_the_next_engine_only_when_its_own_is_far_o
     assert pool.choose(rollout).url == order[1]
     engines[order[1]].state = "draining"  # leaving: takes no new call either
     assert pool.choose(rollout).url == order[2]
+
+
+def test_an_engine_that_fails_its_health_check_is_taken_out_before_any_call_finds_it_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("api.engine.pool.HEALTH_S", 0.2)
+    port = free_port()
+    with engine_server() as steady:
+        doomed = f"http://127.0.0.1:{port}"
+        with front_end(file_store_settings([steady, doomed], tmp_path / "store")) as front:
+            with engine_server(port=port):
+                up = [row["state"] for row in httpx.get(front + "/ready").json()["engines"]]
+            deadline = time.monotonic() + 30
+            while httpx.get(front + "/ready").json()["engines"][1]["state"] != "out":
+                assert time.monotonic() < deadline, "the dead engine was never taken out"
+                time.sleep(0.1)
+            metrics = httpx.get(front + "/metrics").text
+    assert up == ["up", "up"]
+    assert f'tokcap_engine_ejections_total{{engine="{doomed}"}} 1.0' in metrics
+    assert "tokcap_engine_calls_total{" not in metrics  # no call found it gone
