@@ -22,6 +22,7 @@ import httpx
 import pytest
 import yaml
 
+from api.engine.pool import score
 from capture.records import VERSION_SPANS_FIELD, version_spans
 from capture.samples import training_samples
 from tests.support.frontend import (
@@ -289,3 +290,49 @@ def test_the_pause_route_refuses_what_it_cannot_serve_exactly(
             assert httpx.get(engine_url + "/is_paused").json() == {"is_paused": False}
             rollout = front + "/ng-rollout/r1/tokcap/pause"
             assert httpx.post(rollout, json={"mode": "abort"}).status_code == 404
+
+
+def _two_per_engine(engines: list[str]) -> list[str]:
+    """Rollout ids two of which live on each engine (rendezvous hashing over their URLs)."""
+    chosen: dict[str, list[str]] = {url: [] for url in engines}
+    for n in range(1000):
+        rollout = f"pooled-{n}"
+        home = max(engines, key=lambda url: score(rollout, url))
+        if len(chosen[home]) < 2:
+            chosen[home].append(rollout)
+    return [rollout for rollouts in chosen.values() for rollout in rollouts]
+
+
+def test_a_call_cut_by_an_update_of_the_pool_is_continued_on_the_engine_of_its_rollout(
+    tmp_path: Path,
+) -> None:
+    """The trainer's pause and resume act on every engine of a pool, and each cut call is
+    continued on the engine that holds its rollout: every part in that engine's record."""
+    engine = _engine(tmp_path)
+    with engine_server(**engine) as first, engine_server(**engine) as second:
+        settings = file_store_settings([first, second], tmp_path / "store", **FAITHFUL)
+        with front_end(settings) as front:
+            httpx.put(front + "/tokcap/policy_version", json={"version": "1"}).raise_for_status()
+            rollouts = _two_per_engine([first, second])
+            base = lambda rollout: f"{front}/ng-rollout/{rollout}/training-token-capture"  # noqa: E731
+            running = _calls(base, rollouts, streamed=set())
+            for url in (first, second):  # each engine pacing at least one call
+                _generating(url, 1)
+            httpx.post(front + "/tokcap/pause", json={"mode": "abort"}).raise_for_status()
+            for url in (first, second):
+                httpx.post(url + "/update_weight_version", json={"new_version": "2"})
+            httpx.post(front + "/tokcap/resume", json={"version": "2"}).raise_for_status()
+            results = _join(running)
+            truths = {
+                url: httpx.get(url + "/tokcap/ground_truth").json() for url in (first, second)
+            }
+    cut = 0
+    for rollout in rollouts:
+        assert isinstance(results[rollout], anthropic.types.Message), results[rollout]
+        [entry] = freeze(tmp_path / "store", rollout).entries
+        served_by = (entry.model_extra or {})["engine"]
+        ids, prompt = list(entry.generation_token_ids), list(entry.prompt_token_ids)
+        parts = _truth_of(truths[served_by], prompt, ids)  # all of it sampled there
+        cut += len(parts) > 1
+        assert [v for _, _, v in version_spans(entry)] == [p["weight_version"] for p in parts]
+    assert cut >= 2  # the pause cut calls on both engines, and each went on where it was
