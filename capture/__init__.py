@@ -35,6 +35,9 @@ from typing import Any
 _EXPORTS = {
     "training_samples": "capture.samples",
     "TrainingSample": "capture.samples",
+    # Not capture.step_metrics: importing a submodule of that name first would shadow the
+    # function with the module on the package.
+    "step_metrics": "capture.metrics",
     "TokenEntry": "capture.records",
     "TokenCaptureSnapshot": "capture.records",
     "SCHEMA_VERSION": "capture.records",

@@ -2,11 +2,14 @@
 
 One typed shape for every outcome (a delivered rollout, a masked one, a failed build), so a
 dashboard always sees the same keys: a failed build reports zeros and its error, never a
-shorter dict. The README's metrics table documents each field.
+shorter dict. The README's metrics table documents each field. ``metric_int`` and
+``metric_float`` read a field back from a record whatever wrote it (``tokcap report`` and
+``capture.step_metrics`` both do).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -105,6 +108,22 @@ class RolloutSummary:
 
 
 SUMMARY_KEYS = tuple(RolloutSummary.__dataclass_fields__)
+
+
+# Reading a summary back from a record: a record is JSON that may come from another version,
+# another tool or a hand, so a missing or odd number counts as 0 rather than failing a report.
+
+
+def metric_int(value: Any) -> int:
+    """A summary field as an int; a missing or non-numeric one counts as 0 rather than failing."""
+    return int(metric_float(value))
+
+
+def metric_float(value: Any) -> float:
+    """A summary field as a float; missing, non-numeric, NaN or infinite: 0.0 (JSON allows NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) else 0.0
 
 
 def delivered_entries(build: BuildResult) -> list[TokenEntry]:

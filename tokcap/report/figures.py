@@ -9,21 +9,19 @@ this report does not know are listed, never an error, since the record grows.
 
 from __future__ import annotations
 
-import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from capture.delivery import METRICS_KEY
+from capture.mask_reasons import NO_REASON, reason_group
 from capture.rollout_ids import rollout_id_from_run_body
-from capture.summary import SUMMARY_KEYS
+from capture.summary import SUMMARY_KEYS, metric_float, metric_int
 
 SEGMENTS_KEY = "_ng_token_segments"
 CHAIN_BINS = ("0", "1", "2", "3", "4+")
 FRACTION_BINS = (*(f"{i / 10:.1f}-{(i + 1) / 10:.1f}" for i in range(10)), "1.0")
-NO_REASON = "(no reason given)"
 
 # What a first run should flag. One call per rollout means the harness's loop never went
 # through the capture prefix more than once: the agentic path never ran.
@@ -152,16 +150,16 @@ def _tally_record(figures: Figures, record: dict[str, Any], reasons: Counter[str
         figures.never_rebuilt += 1
         return
     figures.rebuilt += 1
-    figures.single_call += _int(metrics.get("n_calls")) == 1
+    figures.single_call += metric_int(metrics.get("n_calls")) == 1
     figures.build_errors += bool(metrics.get("error"))
-    figures.chains[_chain_bin(_int(metrics.get("chains")))] += 1
-    figures.tokens_captured += _int(metrics.get("generated_tokens_captured"))
-    delivered = _int(metrics.get("generated_tokens_delivered"))
+    figures.chains[_chain_bin(metric_int(metrics.get("chains")))] += 1
+    figures.tokens_captured += metric_int(metrics.get("generated_tokens_captured"))
+    delivered = metric_int(metrics.get("generated_tokens_delivered"))
     figures.tokens_delivered += delivered
     _tally_versions(figures, metrics)
     fallbacks = metrics.get("faithful_fallbacks")
     if isinstance(fallbacks, Mapping):
-        _add(figures.faithful_fallbacks, {str(k): _int(v) for k, v in fallbacks.items()})
+        _add(figures.faithful_fallbacks, {str(k): metric_int(v) for k, v in fallbacks.items()})
     _add(figures.other_metrics, dict.fromkeys(set(metrics) - set(SUMMARY_KEYS), 1))
     if masked:
         listed = metrics.get("mask_reasons")
@@ -170,7 +168,7 @@ def _tally_record(figures: Figures, record: dict[str, Any], reasons: Counter[str
         return
     figures.unmasked_rebuilt += 1
     figures.tokens_delivered_unmasked += delivered
-    fraction = _float(metrics.get("delivered_fraction"))
+    fraction = metric_float(metrics.get("delivered_fraction"))
     figures.delivered_fraction[fraction_bin(fraction)] += 1
     figures.low_delivery += fraction < LOW_DELIVERY
 
@@ -184,24 +182,9 @@ def _tally_versions(figures: Figures, metrics: Mapping[str, Any]) -> None:
     lag = metrics.get("policy_version_lag")
     if isinstance(lag, int) and not isinstance(lag, bool):
         _add(figures.policy_version_lag, {str(lag): 1})
-    spanning = _int(metrics.get("calls_spanning_update"))
+    spanning = metric_int(metrics.get("calls_spanning_update"))
     figures.calls_spanning_update += spanning
     figures.rollouts_spanning_update += spanning > 0
-
-
-def reason_group(reason: str) -> str:
-    """A mask reason's group: its text before the first ':', call ids and counts stripped.
-
-    ``incomplete capture: call c1: marked incomplete`` -> ``incomplete capture``; a reason about
-    one call (``call c1: marked incomplete``) keeps what happened -> ``call: marked incomplete``;
-    ``final answer matches 2 captured calls`` -> ``final answer matches N captured calls``;
-    ``delivered fraction 0.312 is below min_delivered_fraction 0.5`` -> ``... N ... N``.
-    """
-    parts = [part.strip() for part in reason.split(":")]
-    group = parts[0]
-    if re.fullmatch(r"call \S+", group):
-        group = f"call: {parts[1]}" if len(parts) > 1 else "call"
-    return re.sub(r"\b\d+(?:\.\d+)?\b", "N", group) or NO_REASON
 
 
 def fraction_bin(fraction: float) -> str:
@@ -218,18 +201,6 @@ def _chain_bin(chains: int) -> str:
 def _add(total: dict[str, int], counts: Mapping[str, int]) -> None:
     for key, count in counts.items():
         total[key] = total.get(key, 0) + count
-
-
-def _int(value: Any) -> int:
-    """A metric as an int; a missing or non-numeric one counts as 0 rather than failing."""
-    return int(_float(value))
-
-
-def _float(value: Any) -> float:
-    """A metric as a float; missing, non-numeric, NaN or infinite: 0.0 (JSON allows NaN)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return 0.0
-    return float(value) if math.isfinite(value) else 0.0
 
 
 def warnings_of(figures: Figures) -> list[str]:
