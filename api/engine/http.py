@@ -80,10 +80,12 @@ class EngineHTTP:
 
     async def post(self, path: str, content: bytes) -> tuple[int, bytes]:
         """(status, body) of one POST; a pooled connection the engine closed as the request
-        went out, with no answer, is tried once more on a fresh one."""
+        went out, with no answer, is tried once more on a fresh one, and so is a connection
+        that was not made in time (nothing was sent: a worker whose event loop was starved
+        for ``sock_connect`` seconds on a busy host sees its own timer fire first)."""
         try:
             return await self._post_once(path, content)
-        except aiohttp.ServerDisconnectedError:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError):
             # Nothing was answered, so a sample the engine may have drawn never reached the
             # harness or the capture.
             return await self._post_once(path, content)

@@ -11,6 +11,7 @@ and its versions split exactly at the cut; every call ends the way the model end
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from tests.support.frontend import finalize, freeze, front_end
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
+RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
 MAX_TOKENS = 3000  # a random model rarely ends sooner: the pause finds every call running
 
 
@@ -48,6 +50,20 @@ def _call(url: str, stream: bool, results: dict[str, Any], key: str) -> None:
         results[key] = exc
 
 
+def _generating(vllm: str, calls: int) -> None:
+    """Wait until vLLM runs ``calls`` requests (its own gauge), then a little more, so that
+    each has sampled some tokens when the pause comes (a cold or busy server may take
+    seconds to prefill them)."""
+    deadline = time.monotonic() + 300
+    while True:
+        found = RUNNING.search(httpx.get(vllm + "/metrics").text)
+        if found and float(found.group(1)) >= calls:
+            break
+        assert time.monotonic() < deadline, "vLLM never ran every call"
+        time.sleep(0.2)
+    time.sleep(2)
+
+
 def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
     vllm: str, tmp_path: Path
 ) -> None:
@@ -64,7 +80,7 @@ def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
         ]
         for thread in threads:
             thread.start()
-        time.sleep(3)  # every call is generating
+        _generating(vllm, len(rollouts))  # every call has sampled some tokens
         try:
             paused = httpx.post(front + "/tokcap/pause", json={"mode": "abort"}, timeout=60)
             assert paused.status_code == 200, paused.text
@@ -86,11 +102,16 @@ def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
         assert len(ids) == reply.usage.output_tokens
         spans = version_spans(entry)
         # What vLLM sent for this call, part by part: each continues the prompt and the ids
-        # sampled before it, and the parts add up to the entry.
+        # sampled before it, and the parts add up to the entry. (A request still out when
+        # the engine paused may have been sent again: its first reply is thrown away.)
         parts, done = [], 0
         for _, stop, _ in spans:
-            part = [s for s in sampled if s["prompt_token_ids"] == prompt + ids[:done]]
-            assert len(part) == 1 and part[0]["token_ids"] == ids[done:stop]
+            part = [
+                s
+                for s in sampled
+                if s["prompt_token_ids"] == prompt + ids[:done] and s["token_ids"] == ids[done:stop]
+            ]
+            assert len(part) == 1, f"{len(part)} replies of vLLM are this part"
             parts.append(part[0])
             done = stop
         assert done == len(ids)
