@@ -36,7 +36,7 @@ from api.engine.client import UpstreamClient
 from api.engine.generation import UpstreamError
 
 LOAD_BOUND = 2.0
-LOAD_SLACK = 8
+LOAD_SLACK = 16
 REPROBE_S = 1.0
 HEALTH_S = 5.0
 
