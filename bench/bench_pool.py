@@ -35,7 +35,7 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from bench.bench_serving import TOOL
+from bench.bench_serving import answered, turn_body
 from tests.support.pool_loops import engine_pool, placement, tokcap_serve
 
 CHAT = "/v1/chat/completions"
@@ -67,15 +67,8 @@ async def tool_loop(http: aiohttp.ClientSession, url: str, rollout: str, turns: 
     calls = tokens = 0
     errors: Counter[str] = Counter()
     for turn in range(turns):
-        body = {
-            "model": "tokcap-engine",
-            "messages": messages,
-            "tools": [TOOL],
-            "tool_choice": "none" if turn == turns - 1 else "auto",
-            "max_tokens": 200,
-        }
         try:
-            async with http.post(url, json=body) as response:
+            async with http.post(url, json=turn_body(messages, turn, turns)) as response:
                 if response.status != 200:
                     errors[f"{response.status} {(await response.text())[:100]}"] += 1
                     break
@@ -86,9 +79,7 @@ async def tool_loop(http: aiohttp.ClientSession, url: str, rollout: str, turns: 
         message = reply["choices"][0]["message"]
         calls += 1
         tokens += reply["usage"]["completion_tokens"]
-        messages.append({key: value for key, value in message.items() if value is not None})
-        for call in message.get("tool_calls") or []:
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "a.txt"})
+        answered(messages, message)
     return Trial(0.0, calls, tokens, errors)
 
 

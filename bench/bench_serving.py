@@ -122,6 +122,24 @@ def rss_mb(pid: int, field: str = "VmHWM") -> float:
     return total_kb / 1024
 
 
+def turn_body(messages: list[dict[str, Any]], turn: int, turns: int) -> dict[str, Any]:
+    """One Chat call of a tool loop: the tool on offer until the last turn, which answers."""
+    return {
+        "model": "tokcap-engine",
+        "messages": messages,
+        "tools": [TOOL],
+        "tool_choice": "none" if turn == turns - 1 else "auto",
+        "max_tokens": 200,
+    }
+
+
+def answered(messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
+    """The loop's history after ``message``: the reply, then a result for each tool call."""
+    messages.append({k: v for k, v in message.items() if v is not None})
+    for call in message.get("tool_calls") or []:
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": "a.txt"})
+
+
 async def tool_loop(
     http: aiohttp.ClientSession, url: str, rollout: str, turns: int, pad: str = ""
 ) -> tuple[list[dict[str, Any]], str | None]:
@@ -132,21 +150,12 @@ async def tool_loop(
     replies: list[dict[str, Any]] = []
     try:
         for turn in range(turns):
-            body = {
-                "model": "tokcap-engine",
-                "messages": messages,
-                "tools": [TOOL],
-                "tool_choice": "none" if turn == turns - 1 else "auto",
-                "max_tokens": 200,
-            }
-            async with http.post(url, json=body) as response:
+            async with http.post(url, json=turn_body(messages, turn, turns)) as response:
                 if response.status != 200:
                     return replies, f"{response.status} {(await response.text())[:200]}"
                 message = (await response.json())["choices"][0]["message"]
             replies.append(message)
-            messages.append({k: v for k, v in message.items() if v is not None})
-            for call in message.get("tool_calls") or []:
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "a.txt"})
+            answered(messages, message)
     except (aiohttp.ClientError, TimeoutError) as exc:
         return replies, f"{type(exc).__name__}: {exc}"
     return replies, None

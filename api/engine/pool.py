@@ -225,10 +225,6 @@ class EnginePool:
     async def can_relay(self) -> bool:
         return await self.first.can_relay()
 
-    @property
-    def routed_experts(self) -> bool:
-        return self.first.routed_experts
-
     def report(self) -> list[dict[str, Any]]:
         """Each engine as ``/ready`` shows it."""
         return [

@@ -38,28 +38,43 @@ def is_forbidden(module: str) -> bool:
     return module.split(".")[0] in FORBIDDEN
 
 
-def test_importing_all_of_capture_loads_no_server_module():
-    script = f"""
-import importlib, json, sys
-import capture
-for name in {capture_modules()!r}:
-    importlib.import_module(name)
-for name in capture.__all__:
-    getattr(capture, name)
-print(json.dumps(sorted(sys.modules)))
-"""
+def modules_loaded_by(script: str) -> list[str]:
+    """The modules a fresh interpreter has loaded after ``script``, run from the root of
+    the repository: what importing (and using) capture costs a trainer."""
+    program = f"import json, sys\n{script}\nprint(json.dumps(sorted(sys.modules)))\n"
     result = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", program],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=CAPTURE_DIR.parent,
     )
     assert result.returncode == 0, result.stderr
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_importing_all_of_capture_loads_no_server_module():
+    loaded = modules_loaded_by(
+        f"""
+import importlib
+import capture
+for name in {capture_modules()!r}:
+    importlib.import_module(name)
+for name in capture.__all__:
+    getattr(capture, name)
+"""
+    )
     assert "capture.records" in loaded  # the check itself ran
     offenders = [name for name in loaded if is_forbidden(name)]
     assert offenders == [], f"importing capture loaded {offenders}"
+
+
+def test_capture_step_metrics_loads_no_logging_library():
+    """The caller logs; importing and running step_metrics pulls in no logger's package."""
+    loaded = modules_loaded_by('import capture\ncapture.step_metrics([{"mask_sample": False}])')
+    assert "capture.metrics" in loaded  # the check itself ran
+    roots = {name.split(".")[0] for name in loaded}
+    assert not roots & {"wandb", "tensorboard", "tensorboardX", "mlflow", "torch"}
 
 
 def test_no_capture_file_imports_server_modules():

@@ -243,6 +243,22 @@ class Rebuilding:
         await self.queue.close()
 
 
+async def rebuilding_first(cluster: LocalCluster, jobs: list[str], first: int) -> Rebuilding:
+    """Every job's rollout written, then a ``Rebuilding`` that has rebuilt the first
+    ``first`` jobs: a worker known to run before the fault comes (closed on failure)."""
+    store = RedisTokenStore(url=cluster.url, cluster=True, **OPTIONS)
+    await put_rollouts(store, jobs)
+    await store.close()
+    rebuilding = Rebuilding(cluster, jobs)
+    try:
+        await rebuilding.submit(jobs[:first])
+        await eventually("the worker's first jobs", rebuilding.done_at_least(first), 60)
+    except BaseException:
+        await rebuilding.close()
+        raise
+    return rebuilding
+
+
 def queue_state(url: str, missing: list[str]) -> dict[str, Any]:
     """Each shard's jobs, job errors, dead letters and results, and the missing rollouts'
     latest results: what a timed-out test reports (a cluster that cannot be read says why,
@@ -367,14 +383,9 @@ async def test_the_worker_waits_out_a_master_whose_connections_cannot_prove_repl
     killed-master test above time out so)."""
     caplog.set_level(logging.WARNING, logger="tokcap.worker")
     cluster = redis_cluster_factory()
-    store = RedisTokenStore(url=cluster.url, cluster=True, **OPTIONS)
     jobs = [f"job-{n:02d}" for n in range(12)]
-    await put_rollouts(store, jobs)
-    await store.close()
-    rebuilding = Rebuilding(cluster, jobs)
+    rebuilding = await rebuilding_first(cluster, jobs, 3)
     try:
-        await rebuilding.submit(jobs[:3])
-        await eventually("the worker's first jobs", rebuilding.done_at_least(3), 60)
         master = master_port_of(cluster, rebuilding.queue.streams[0])
         replica = replica_of(cluster, master)
         replica.kill9()
@@ -410,14 +421,9 @@ async def test_the_worker_reads_the_slot_map_again_when_it_names_a_replica(
     so only reading the map again, as the store does between its tries, routes the worker
     right; the worker's task ended on exactly this refusal in CI's failed run."""
     cluster = redis_cluster_factory()
-    store = RedisTokenStore(url=cluster.url, cluster=True, **OPTIONS)
     jobs = [f"job-{n:02d}" for n in range(9)]
-    await put_rollouts(store, jobs)
-    await store.close()
-    rebuilding = Rebuilding(cluster, jobs)
+    rebuilding = await rebuilding_first(cluster, jobs, 3)
     try:
-        await rebuilding.submit(jobs[:3])
-        await eventually("the worker's first jobs", rebuilding.done_at_least(3), 60)
         stream = rebuilding.queue.streams[0]
         replica = replica_of(cluster, master_port_of(cluster, stream))
         manager = rebuilding.worker.client.nodes_manager
