@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from capture.acked import ACKED
 from capture.errors import ConflictingEntryError, RolloutFrozenError
 from capture.extract import entry_from_response
 from capture.outage import Backoff, OutageOutlasted, retry_through_outage
@@ -252,7 +253,8 @@ async def capture_entry(entry: TokenEntry) -> TokenEntry | None:
 
     The put is retried for ``PUT_SHARE`` of the call's timeout; for the rest, the loss mark
     (after one more put, when the store was out). The call is ``unrecorded`` when neither
-    became durable.
+    became durable. The entry goes out stamped with the rollout's puts acknowledged so far
+    (``capture.acked``), so the rebuild sees calls lost from the store.
     """
     call = current_call()
     if call is None or call.done:
@@ -260,13 +262,15 @@ async def capture_entry(entry: TokenEntry) -> TokenEntry | None:
     if (entry.rollout_id, entry.model_call_id) != (call.rollout_id, call.model_call_id):
         await mark_incomplete(f"the entry names call {entry.model_call_id}, not this call")
         return None
+    entry = ACKED.stamp(call.sink, entry)
     started = time.monotonic()
     problem, out = await _put(call, entry, started + call.timeout_s * PUT_SHARE)
-    if problem is None:
-        return call.entry
-    retry = entry if out else None
-    if not await _record_loss(call, problem, started + call.timeout_s, retry):
-        call.unrecorded = True
+    if problem is not None:
+        retry = entry if out else None
+        if not await _record_loss(call, problem, started + call.timeout_s, retry):
+            call.unrecorded = True
+    if call.entry is not None:
+        ACKED.acknowledged(call.sink, call.rollout_id)
     return call.entry
 
 

@@ -31,6 +31,8 @@ TRAITS_FIELD = "request_traits"
 # A call its engine cut and the front end continued: each part's generated ids [start,
 # stop) and the policy version that sampled them, as ``[[start, stop, version], ...]``.
 VERSION_SPANS_FIELD = "policy_version_spans"
+# The puts of its rollout acknowledged to the storing process before this one (capture.acked).
+ACKED_BEFORE_FIELD = "acked_before"
 # The three arrays a token-bearing item carries in a served response.
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 

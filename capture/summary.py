@@ -43,9 +43,9 @@ class RolloutSummary:
     # delivery: segments: the segments delivered beside the main chain, by role.
     segments: dict[str, int] = field(default_factory=dict)
     # Roots nothing in the capture relates to the main chain's (never delivered as segments),
-    # and roots whose conversation began before their first captured call (calls lost).
+    # and roots seeded with assistant turns no captured call sampled (few-shot, resumed).
     unexplained_roots: int = 0
-    missing_start_roots: int = 0
+    seeded_roots: int = 0
     # The policy versions the delivered calls ran under, each once, in call order; and how
     # many versions the oldest lags the one the consumer named (integer versions only).
     policy_versions: list[str] = field(default_factory=list)
@@ -89,7 +89,7 @@ class RolloutSummary:
             faithful_fallbacks=dict(build.faithful_fallbacks),
             segments=dict(sorted(Counter(segment.role for segment in build.segments).items())),
             unexplained_roots=len(build.unexplained_roots),
-            missing_start_roots=len(build.missing_start_roots),
+            seeded_roots=len(build.seeded_roots),
             policy_versions=versions,
             policy_version_lag=version_lag(versions, current_policy_version),
             calls_spanning_update=sum(len(version_spans(e)) > 1 for e in delivered_entries(build)),

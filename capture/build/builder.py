@@ -31,6 +31,7 @@ from typing import Any
 
 from capture.build.graph import Graph, path_to
 from capture.build.linking import LinkedCalls, link_calls
+from capture.build.lost_calls import lost_calls
 from capture.build.projection import flat_ids_and_mask, project_chain
 from capture.build.roots import RootCheck, check_roots
 from capture.build.segments import Segment, checked_delivery, role_of, segments_of
@@ -83,9 +84,10 @@ class BuildResult:
     main_role: str = ""  # the main chain's role, as segments are labelled ("other" usually)
     segments: tuple[Segment, ...] = field(default=(), repr=False)  # delivery="segments"
     # Roots nothing relates to the main chain's conversation (capture.build.roots): never
-    # delivered as segments; and roots that began mid-conversation (calls before them lost).
+    # delivered as segments; and roots whose request carried assistant turns no captured call
+    # sampled (few-shot examples, a resumed session: delivered, those turns as prompt).
     unexplained_roots: tuple[str, ...] = ()
-    missing_start_roots: tuple[str, ...] = ()
+    seeded_roots: tuple[str, ...] = ()
 
     @property
     def masked(self) -> bool:
@@ -232,7 +234,7 @@ def _result(
         if main_path
         else RootCheck()
     )
-    left_out = {ids[root] for root in checked.unexplained + checked.missing_start}
+    left_out = {ids[root] for root in checked.unexplained}
     segments = _segments(graph, chains, main_path, left_out) if delivery == "segments" else []
     delivered = graph.generated[main_leaf] if main_leaf is not None else 0
     reasons = _mask_reasons(graph, len(entries), linked.unmatched, linked.unresolved, main_path)
@@ -253,7 +255,7 @@ def _result(
             len(e.generation_token_ids) for e in entries if e.model_call_id not in linked.identical
         ),
         generated_tokens_delivered=delivered + sum(s.generated_tokens for s in segments),
-        mask_reasons=tuple(reasons + _root_reasons(ids, checked, main_path, delivery)),
+        mask_reasons=tuple(reasons + lost_calls(entries) + _root_reasons(ids, checked, delivery)),
         output=tuple(project_chain(main_entries)),
         main_entries=main_entries,
         faithful_fallbacks=_fallbacks(entries),
@@ -261,7 +263,7 @@ def _result(
         main_role=role_of(main_entries[0], main_entries[-1], None) if main_entries else "",
         segments=tuple(segments),
         unexplained_roots=tuple(sorted(ids[root] for root in checked.unexplained)),
-        missing_start_roots=tuple(sorted(ids[root] for root in checked.missing_start)),
+        seeded_roots=tuple(sorted(ids[root] for root in checked.seeded)),
     )
 
 
@@ -273,19 +275,9 @@ def _parents_by_id(graph: Graph) -> dict[str, str | None]:
     }
 
 
-def _root_reasons(
-    ids: list[str], checked: RootCheck, main_path: list[int], delivery: str
-) -> list[str]:
-    """Why the roots mask the rollout: the delivered chain, or with segments any delivered
-    conversation, began mid-conversation; or a second harness run shares the rollout id."""
+def _root_reasons(ids: list[str], checked: RootCheck, delivery: str) -> list[str]:
+    """Why the roots mask the rollout: with segments, a second harness run shares its id."""
     reasons = []
-    for root in checked.missing_start:
-        if root == main_path[0] or delivery == "segments":
-            reasons.append(
-                f"calls missing: the request of call {ids[root]} continues a conversation whose "
-                "last reply no earlier captured call sampled (the rollout's capture lost calls: "
-                "a Redis that evicted it, or keys deleted while the harness ran)"
-            )
     if delivery == "segments" and checked.second_runs:
         reasons.append(
             f"two harness runs share this rollout id: call {ids[checked.second_runs[0]]} "

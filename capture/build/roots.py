@@ -3,12 +3,10 @@
 A harness re-sends its whole conversation with every call, so the first call of a
 conversation carries no assistant turn and every later call carries the reply of the one
 before (the front end records both on the entry: ``turns_before``, ``answered_before``).
-A root that carries an assistant turn that no earlier call of the same harness sampled
-began in the middle of its conversation: the calls before it were lost (a Redis that
-evicted the rollout's hash, which the next put made anew, or a capture deleted while the
-harness ran). Its chain must never be delivered as if it were the whole conversation. The
-price: a first request seeded with assistant turns the policy never sampled (few-shot
-examples, a session resumed from another rollout) looks the same, and is masked too.
+A root that carries an assistant turn that no earlier call of the same harness sampled was
+seeded: few-shot examples, a session resumed from elsewhere. It is delivered, those turns
+in its prompt. Calls lost from the store look the same here, so they are found apart, by
+the entries' own stamps (``capture.build.lost_calls``).
 
 Beside the main chain, a root is delivered (``delivery: segments``) only when the capture
 itself relates it to what is delivered: a side request of a known shape (a title: a JSON
@@ -89,7 +87,7 @@ def carries(opening: Sequence[str], piece: Sequence[str]) -> bool:
 class RootCheck:
     """The verdict on a rollout's roots (positions in the builder's call order)."""
 
-    missing_start: list[int] = field(default_factory=list)  # began mid-conversation
+    seeded: list[int] = field(default_factory=list)  # carried turns nothing here sampled
     unexplained: list[int] = field(default_factory=list)  # nothing relates them
     second_runs: list[int] = field(default_factory=list)  # unexplained, like the main run
 
@@ -190,10 +188,11 @@ class _Roots:
 def check_roots(
     calls: Sequence[TokenEntry], roots: Sequence[int], root_of: Sequence[int], main_root: int
 ) -> RootCheck:
-    """Which roots began mid-conversation, and which nothing relates to the main chain's."""
+    """Which roots were seeded with turns nothing here sampled, and which nothing relates
+    to the main chain's."""
     found = _Roots(calls, root_of)
     check = RootCheck()
-    check.missing_start = [r for r in roots if found.known(r) and found.begins_mid_conversation(r)]
+    check.seeded = [r for r in roots if found.known(r) and found.begins_mid_conversation(r)]
     # Titles and roots without traits are explained by what they are; only the rest need
     # the links, which read every call's sampled text.
     doubtful = [

@@ -22,7 +22,7 @@ from capture.context import (
 )
 from capture.errors import RolloutFrozenError
 from capture.filestore.store import FileTokenStore
-from capture.records import TokenEntry
+from capture.records import ACKED_BEFORE_FIELD, TokenEntry
 
 
 def served(prompt, generation, text="ok"):
@@ -135,7 +135,14 @@ async def test_fresh_call_ids_and_extra_fields(store):
     snapshot = await store.freeze("7-1")
     assert len(snapshot.entries) == 2
     by_id = {e.model_call_id: e for e in snapshot.entries}
-    assert by_id[first.model_call_id].model_extra == {"dialect": "messages"}
+    first_extra = dict(by_id[first.model_call_id].model_extra or {})
+    worker = first_extra.pop(ACKED_BEFORE_FIELD)["worker"]
+    assert first_extra == {"dialect": "messages"}
+    # Each put is stamped with the rollout's puts this process stored before it.
+    assert by_id[second.model_call_id].model_extra[ACKED_BEFORE_FIELD] == {
+        "worker": worker,
+        "count": 1,
+    }
 
 
 async def test_second_capture_in_one_call_is_a_no_op(store):
@@ -173,6 +180,15 @@ async def test_failed_put_is_retried_then_marks_incomplete_and_never_raises(stor
     assert call.incomplete and not call.unrecorded and "OSError" in call.error
     snapshot = await store.freeze("8-2")
     assert snapshot.incomplete and snapshot.entries == ()
+
+
+async def test_only_puts_the_sink_acknowledged_count_toward_the_next_stamp(store):
+    """A put that failed is no call the store lost: the next entry does not count it."""
+    async with capture_call("8-9", FailingPutSink(store), timeout_s=0.2):
+        assert await capture_tokens(served([1], [2])) is None
+    async with capture_call("8-9", store):
+        kept = await capture_tokens(served([1, 2, 9], [3]))
+    assert kept is not None and kept.model_extra[ACKED_BEFORE_FIELD]["count"] == 0
 
 
 async def test_a_sink_that_cannot_record_even_the_loss_leaves_the_call_unrecorded():

@@ -2,7 +2,8 @@
 
 Synthetic rollouts whose entries carry the traits the front end records
 (``api.call.traits``): the assistant turns each request carried, the digest of the last, and a
-conversation start's opening lines. A rollout that lost its first calls is masked; beside
+conversation start's opening lines. A rollout that lost its first calls is masked (its
+entries' stamps say so), one seeded with turns nobody sampled is delivered; beside
 the main chain, only roots the capture relates to it are delivered as segments; a second
 harness run under the same id masks the rollout in segments mode.
 """
@@ -17,7 +18,7 @@ from capture.build.builder import run_builder
 from capture.build.roots import carries, sampled_pieces
 from capture.records import TokenEntry
 from capture.traits import line_digests, opening_digests
-from tests.support.chains import chain_entries, entry, fresh, full, loop, message, stamp
+from tests.support.chains import acked, chain_entries, entry, fresh, full, loop, message, stamp
 
 
 def answer(call: TokenEntry) -> list[dict[str, Any]]:
@@ -26,12 +27,55 @@ def answer(call: TokenEntry) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("delivery", ["chain", "segments"])
 def test_a_rollout_that_lost_its_first_calls_is_masked(delivery: str) -> None:
+    """The later calls' stamps say two calls were stored before them: both are gone."""
     calls = loop(5)
     whole = run_builder(calls, final_answer=answer(calls[-1]), delivery=delivery)
-    assert not whole.masked and len(whole.main_chain) == 5 and whole.missing_start_roots == ()
+    assert not whole.masked and len(whole.main_chain) == 5 and whole.seeded_roots == ()
     cut = run_builder(calls[2:], final_answer=answer(calls[-1]), delivery=delivery)
-    assert cut.masked and cut.missing_start_roots == (calls[2].model_call_id,)
-    assert any(reason.startswith("calls missing:") for reason in cut.mask_reasons)
+    assert cut.masked and cut.seeded_roots == (calls[2].model_call_id,)
+    assert [r for r in cut.mask_reasons if r.startswith("calls missing:")] == [
+        "calls missing: front-end process w-test had 2 of this rollout's calls stored before "
+        "one it stored later, and 0 of them are in the capture (calls lost from the store "
+        "while the harness ran: its rollout deleted or evicted, or a Redis back without its "
+        "data)"
+    ]
+
+
+@pytest.mark.parametrize("delivery", ["chain", "segments"])
+def test_a_conversation_seeded_with_turns_nobody_sampled_is_delivered(delivery: str) -> None:
+    """Few-shot examples or a resumed session: the first request carries assistant turns
+    no captured call sampled, and every call the front end stored is there."""
+    calls = loop(5)[2:]
+    for count, call in enumerate(calls):
+        acked(call, count)
+    built = run_builder(calls, final_answer=answer(calls[-1]), delivery=delivery)
+    assert not built.masked, built.mask_reasons
+    assert built.seeded_roots == (calls[0].model_call_id,)
+    assert built.main_chain == tuple(c.model_call_id for c in calls)
+    assert built.delivered_fraction == 1.0
+
+
+def test_a_loss_in_one_process_masks_though_another_stored_the_rest() -> None:
+    """Two front-end workers: the one that stored the first call stores the fourth too; the
+    second worker's entries cannot stand for the first's."""
+    calls = loop(4)
+    for call, (worker, count) in zip(calls, [("a", 0), ("b", 0), ("b", 1), ("a", 1)]):
+        acked(call, count, worker)
+    assert not run_builder(calls, final_answer=answer(calls[-1])).masked
+    cut = run_builder(calls[1:], final_answer=answer(calls[-1]))
+    assert cut.masked and "front-end process a had 1" in " ".join(cut.mask_reasons)
+
+
+def test_calls_stored_together_are_each_others_company_not_evidence() -> None:
+    """Puts in flight at once carry the same count: each needs the ones before, not each
+    other; one stored alone after two acknowledged ones is a loss."""
+    calls = loop(4)
+    for call, count in zip(calls, [0, 1, 1, 3]):
+        acked(call, count)
+    assert not run_builder(calls, final_answer=answer(calls[-1])).masked
+    for call, count in zip(calls, [0, 2, 2, 2]):
+        acked(call, count)
+    assert run_builder(calls, final_answer=answer(calls[-1])).masked
 
 
 def test_a_reply_sampled_after_the_root_does_not_stand_for_the_lost_one() -> None:
@@ -39,7 +83,7 @@ def test_a_reply_sampled_after_the_root_does_not_stand_for_the_lost_one() -> Non
     calls = loop(4)
     calls[3].output_items[:] = calls[1].output_items  # the last call repeats turn 1's reply
     cut = run_builder(calls[2:], final_answer=answer(calls[3]))
-    assert cut.masked and cut.missing_start_roots == (calls[2].model_call_id,)
+    assert cut.masked and cut.seeded_roots == (calls[2].model_call_id,)
 
 
 def test_a_loop_resumed_after_a_kept_round_is_delivered_whole() -> None:
@@ -60,7 +104,7 @@ def test_a_loop_resumed_after_a_kept_round_is_delivered_whole() -> None:
         built = run_builder(calls, final_answer=answer(resumed[-1]), delivery=delivery)
         assert not built.masked, built.mask_reasons
         assert built.main_chain == tuple(c.model_call_id for c in resumed)
-        assert built.unexplained_roots == () and built.missing_start_roots == ()
+        assert built.unexplained_roots == () and built.seeded_roots == ()
     assert built.delivered_fraction == 1.0
 
 
@@ -200,7 +244,7 @@ def test_a_lost_reply_sampled_again_by_a_sub_agent_does_not_stand_for_it() -> No
     ]
     for delivery in ("chain", "segments"):
         cut = run_builder([*calls[3:], *sub], final_answer=answer(calls[-1]), delivery=delivery)
-        assert cut.masked and cut.missing_start_roots == (calls[3].model_call_id,)
+        assert cut.masked and cut.seeded_roots == (calls[3].model_call_id,)
 
 
 def test_a_second_run_quoting_the_task_is_still_a_second_run() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from capture.records import TokenEntry
+from capture.records import ACKED_BEFORE_FIELD, TokenEntry
 from capture.traits import opening_digests, reply_digest
 
 SYSTEM = [11, 12, 13, 14]
@@ -116,9 +116,18 @@ def stamp(
 
 
 def loop(turns: int, prefix: str = "loop", opening: str = "Task: list the files", **kw: Any):
-    """An agent loop whose calls each carry the reply of the one before."""
+    """An agent loop whose calls each carry the reply of the one before, each stored by one
+    front-end process after the ones before it (``capture.acked``)."""
     calls = chain_entries(turns, prefix=prefix, **kw)
     stamp(calls[0], opening=opening)
     for turn in range(1, turns):
         stamp(calls[turn], calls[turn - 1], turns=turn)
+    for count, call in enumerate(calls):
+        acked(call, count)
     return calls
+
+
+def acked(call: TokenEntry, count: int, worker: str = "w-test") -> TokenEntry:
+    """Stamp ``call`` as stored by ``worker`` after ``count`` of its rollout's puts."""
+    call.__pydantic_extra__[ACKED_BEFORE_FIELD] = {"worker": worker, "count": count}
+    return call

@@ -126,6 +126,6 @@ async def test_a_rollout_that_lost_its_first_calls_says_so(store, request):
         await store.put(call)
     info = await inspect_rollout("cut-1", **located(store, request))
     notes = {row["call"]: row["notes"] for row in info["entries"]}
-    assert any("earlier calls are missing" in note for note in notes[calls[2].model_call_id])
+    assert any("no captured call sampled" in note for note in notes[calls[2].model_call_id])
     assert notes[calls[3].model_call_id] == []
-    assert "earlier calls are missing" in rendered(info)
+    assert "calls missing: front-end process w-test had 2" in rendered(info)

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from capture.build.builder import BuildResult, ChainInfo, run_builder
+from capture.build.lost_calls import lost_calls
 from capture.errors import InvalidRolloutIdError
 from capture.records import TokenEntry
 from capture.retention import EVIDENCE_TTL_S, TOMBSTONE_TTL_S
@@ -36,7 +37,12 @@ from tokcap.help import verb_main
 from transports.redis.keys import DEFAULT_PREFIX
 
 UNKNOWN_ROLE = "?"  # the builder names no role for this chain
-GRAPH_KEYS = ("main_chain_by", "entries", "chains")  # what inspect adds to the store's fields
+GRAPH_KEYS = (
+    "main_chain_by",
+    "entries",
+    "chains",
+    "lost_calls",
+)  # what inspect adds to the store's fields
 
 
 class UnknownRolloutError(LookupError):
@@ -142,13 +148,15 @@ def _errors_only(logger: logging.Logger) -> Iterator[None]:
 
 
 def call_graph(entries: list[TokenEntry]) -> dict[str, Any]:
-    """Each call with its parent, and each chain with its role; no final answer is given."""
+    """Each call with its parent, each chain with its role, and calls the store lost; no
+    final answer is given."""
     build = _build(entries)
     ordered = sorted(entries, key=lambda entry: (entry.created_at, entry.model_call_id))
     return {
         "main_chain_by": build.main_chain_by,
         "entries": [_call_row(entry, build) for entry in ordered],
         "chains": [_chain_row(chain, build) for chain in build.chains],
+        "lost_calls": lost_calls(entries),
     }
 
 
@@ -183,8 +191,9 @@ def _call_notes(call_id: str, build: BuildResult) -> list[str]:
         "ambiguous parent: several identical calls precede it": build.quarantined,
         "retry whose sibling was extended: discarded": build.discarded_retries,
         "retry, and none of its group was extended": unresolved,
-        "continues a conversation whose earlier calls are missing (a Redis that evicted "
-        "the rollout, or keys deleted while it ran?)": build.missing_start_roots,
+        "its request carries assistant turns no captured call sampled: seeded (few-shot "
+        "examples, a resumed session), or calls before it were lost (see the mask "
+        "reasons)": build.seeded_roots,
         "nothing captured leads to this conversation: not delivered as a segment (a second "
         "harness run under this rollout id?)": build.unexplained_roots,
     }
@@ -293,6 +302,8 @@ def render(info: dict[str, Any], console: Console) -> None:
         console.print(_calls_table(info["entries"]))
         console.print(_chains_table(info["chains"]))
     console.print(_main_chain_note(info), highlight=False)
+    for lost in info.get("lost_calls", ()):
+        console.print(lost, highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:
