@@ -4,6 +4,10 @@
 with ``-a{n}`` for attempt n > 0. An id that breaks the pattern is rejected, never rewritten:
 a rewritten id would silently merge or split rollouts.
 
+A collector that names rollouts by training step writes ``step{N}.{task}-{rollout}``;
+``step_of_rollout_id`` reads the N back, so a report can group results by step without a
+field of its own. Any other id names no step.
+
 A rollout token is the key a rollout's harness sends with its calls when the front end has
 an auth secret: the secret's HMAC of the rollout id, so a harness that knows its own token
 cannot derive another rollout's, and the front end checks it without storing anything.
@@ -21,6 +25,7 @@ from capture.errors import InvalidRolloutIdError
 
 ROLLOUT_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 ROLLOUT_ID_MAX_LEN = 200
+STEP_ID_PATTERN = re.compile(r"^step([0-9]+)\.")  # step{N}.{task}-{rollout}
 ROLLOUT_PREFIX = "ng-rollout"
 CAPTURE_SEGMENT = "training-token-capture"
 # Marks a rollout token in a header or a log a user pastes; the secret never starts with it.
@@ -66,6 +71,12 @@ def rollout_id_from_run_body(body: Mapping[str, Any]) -> str | None:
     if attempt > 0:
         rollout_id += f"-a{attempt}"
     return validate_rollout_id(rollout_id)
+
+
+def step_of_rollout_id(rollout_id: str | None) -> int | None:
+    """The N of a ``step{N}.`` that opens the id, or None: the id names no step."""
+    found = STEP_ID_PATTERN.match(rollout_id) if rollout_id else None
+    return int(found.group(1)) if found else None
 
 
 def capture_base_url(base_url: str, rollout_id: str, training: bool = True) -> str:

@@ -23,10 +23,10 @@ SUBCOMMANDS = {
     "worker": ("tokcap.commands.worker", "run a pool of rebuild workers on the Redis job stream"),
     "submit": ("tokcap.commands.submit", "submit a finished rollout record for rebuilding"),
     "inspect": ("tokcap.commands.inspect", "show what is captured for one rollout"),
-    "report": ("tokcap.commands.report", "summarize a step's rebuilt records: what to watch"),
+    "report": ("tokcap.commands.report", "summarize rebuilt records step by step: what to watch"),
     "demo": (
         "tokcap_devtools.demo",
-        "run the whole pipeline on scripted rollouts and print the result",
+        "run the whole pipeline on scripted rollouts, print the result, write the report",
     ),
 }
 

@@ -75,8 +75,8 @@ def _rows(counts: Mapping[str, int], whole: int | None, label: str = "") -> list
     ]
 
 
-def render(figures: Figures, console: Console) -> None:
-    table = Table(title="tokcap report", show_header=True)
+def render(figures: Figures, console: Console, title: str = "tokcap report") -> None:
+    table = Table(title=title, show_header=True)
     table.add_column("figure")
     table.add_column("count", justify="right")
     table.add_column("share", justify="right")

@@ -1,10 +1,11 @@
 """What ``tokcap report`` counts: one step's finished rollout records turned into ``Figures``.
 
-``compute_figures`` does nothing else; the table, the JSON and the PNG are views of those
-figures (``tokcap.report.drawing``), and the records come from a file or the results stream
-(``tokcap.report.reading``). Only the latest result of a rollout counts: a later one is
-authoritative (it supersedes the earlier one, or rebuilt a resubmitted record). Metric keys
-this report does not know are listed, never an error, since the record grows.
+``compute_figures`` does nothing else (``tokcap.report.steps`` takes ``figures_of`` each
+step); the table, the JSON and the PNG are views of those figures (``tokcap.report.drawing``),
+and the records come from files or the results stream (``tokcap.report.reading``). Only the
+latest result of a rollout counts: a later one is authoritative (it supersedes the earlier
+one, or rebuilt a resubmitted record). Metric keys this report does not know are listed,
+never an error, since the record grows.
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ def share(part: int, whole: int) -> float | None:
 
 def compute_figures(records: Iterable[Mapping[str, Any]]) -> Figures:
     """The figures of one step's finished records (in publish order: later ones win)."""
-    latest, replaced = latest_results(slim(record) for record in records)
+    return figures_of(latest_results(slim(record) for record in records))
+
+
+def figures_of(latest: list[dict[str, Any]]) -> Figures:
+    """The figures of slimmed records, each the latest of its rollout (``latest_results``)."""
+    replaced = sum(record["replaced"] for record in latest)
     figures = Figures(rollouts=len(latest), replaced_results=replaced)
     reasons: Counter[str] = Counter()
     for record in latest:
@@ -124,18 +130,21 @@ def _role_of(segment: Any) -> str:
     return str(role) if role is not None else "?"
 
 
-def latest_results(records: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """The latest result of each rollout, and how many earlier ones it replaced.
+def latest_results(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The latest result of each rollout, its ``replaced`` set to how many earlier ones of
+    that rollout it replaced.
 
     A later result of the same rollout is authoritative: it supersedes the earlier one
     (``_ng_supersedes``) or rebuilt a resubmitted record. A record naming no rollout stands
     alone.
     """
     by_rollout: dict[Any, dict[str, Any]] = {}
-    seen = 0
     for seen, record in enumerate(records, 1):
-        by_rollout[record["rollout"] if record["rollout"] is not None else -seen] = record
-    return list(by_rollout.values()), seen - len(by_rollout)
+        key = record["rollout"] if record["rollout"] is not None else -seen
+        earlier = by_rollout.get(key)
+        record["replaced"] = 0 if earlier is None else earlier["replaced"] + 1
+        by_rollout[key] = record
+    return list(by_rollout.values())
 
 
 def _tally_record(figures: Figures, record: dict[str, Any], reasons: Counter[str]) -> None:
