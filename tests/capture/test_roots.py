@@ -59,7 +59,7 @@ def test_a_loss_in_one_process_masks_though_another_stored_the_rest() -> None:
     """Two front-end workers: the one that stored the first call stores the fourth too; the
     second worker's entries cannot stand for the first's."""
     calls = loop(4)
-    for call, (worker, count) in zip(calls, [("a", 0), ("b", 0), ("b", 1), ("a", 1)]):
+    for call, (worker, count) in zip(calls, [("a", 0), ("b", 0), ("b", 1), ("a", 1)], strict=True):
         acked(call, count, worker)
     assert not run_builder(calls, final_answer=answer(calls[-1])).masked
     cut = run_builder(calls[1:], final_answer=answer(calls[-1]))
@@ -70,10 +70,10 @@ def test_calls_stored_together_are_each_others_company_not_evidence() -> None:
     """Puts in flight at once carry the same count: each needs the ones before, not each
     other; one stored alone after two acknowledged ones is a loss."""
     calls = loop(4)
-    for call, count in zip(calls, [0, 1, 1, 3]):
+    for call, count in zip(calls, [0, 1, 1, 3], strict=True):
         acked(call, count)
     assert not run_builder(calls, final_answer=answer(calls[-1])).masked
-    for call, count in zip(calls, [0, 2, 2, 2]):
+    for call, count in zip(calls, [0, 2, 2, 2], strict=True):
         acked(call, count)
     assert run_builder(calls, final_answer=answer(calls[-1])).masked
 
