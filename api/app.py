@@ -143,6 +143,7 @@ def create_app(settings: ServerSettings | None = None) -> FastAPI:
         max_bytes=settings.max_body_bytes,
         max_inflight_bytes=settings.max_inflight_bytes,
         body_timeout_s=settings.body_timeout_s,
+        body_wait_s=settings.body_wait_s,
     )
     if settings.auth_secret:
         # Outermost: a call without a key is refused before its body is read or counted.

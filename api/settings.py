@@ -25,6 +25,9 @@ SERVER_KEY = "model_server"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # Request bytes in flight per process; parsed, each body byte costs several bytes of memory.
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
+# How long a body waits for room among the bodies in flight before a 503: well inside the
+# SDKs' 600 s request timeout, and long enough for a burst of large bodies to drain.
+DEFAULT_BODY_WAIT_S = 120.0
 # A streamed call not done by then opens its stream and sends a keep-alive this often: well
 # inside the shortest idle limit a harness sets (the Claude Code CLI's byte idle watchdog
 # goes down to 10 s), and often enough that a load balancer's idle timeout never fires.
@@ -40,6 +43,7 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "TOKCAP_MODEL": ("model",),
     "TOKCAP_MAX_BODY_BYTES": ("max_body_bytes",),
     "TOKCAP_MAX_INFLIGHT_BYTES": ("max_inflight_bytes",),
+    "TOKCAP_BODY_WAIT_S": ("body_wait_s",),
     "TOKCAP_ENGINE": ("engine",),
     "TOKCAP_UPSTREAM_API_KEY": ("upstream_api_key",),
     "TOKCAP_PROMPTS": ("prompts",),
@@ -139,8 +143,10 @@ class ServerSettings(BaseModel):
     model: str | None = None
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, gt=0)
-    # 503 (retry) while the bodies in flight would exceed it; at least max_body_bytes.
+    # Bodies being read and parsed at once, per worker; a body that does not fit waits its
+    # turn (unread) for up to body_wait_s, then 503 (retry). At least max_body_bytes.
     max_inflight_bytes: int = Field(default=DEFAULT_MAX_INFLIGHT_BYTES, gt=0)
+    body_wait_s: float = Field(default=DEFAULT_BODY_WAIT_S, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)  # a body not in by then is cut (408)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     # Connections to the engine per worker (0: no limit; see DEFAULT_UPSTREAM_CONNECTIONS).

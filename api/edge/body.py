@@ -2,14 +2,18 @@
 
 Anything a client sends gets a clear 4xx (or a retryable 503 when the server is merely
 busy), never a 500 or a memory blow-up. ``BodyLimit`` reads each request body before the
-app sees it: beyond ``max_body_bytes`` it answers 413; when the bodies being read and
-parsed would pass ``max_inflight_bytes`` it answers 503, because parsing turns every body
-byte into several bytes of Python objects; a body that has not arrived after
-``body_timeout_s`` is cut with a 408. A body counts until the app has translated it and
-calls ``release_body`` (``RELEASE_KEY`` in the scope), not while the call waits on the
-engine: by then what the call holds is the request it sent, about the body's size, and
-the engine, not this guard, decides how many calls wait at once. The body is then parsed
-by ``api.edge.json_body``.
+app sees it: beyond ``max_body_bytes`` it answers 413. The bodies being read and parsed
+share ``max_inflight_bytes`` (``ByteBudget``), because parsing turns every body byte into
+several bytes of Python objects. A body whose declared size does not fit waits its turn,
+first come first served, before a byte of it is read: the server stops reading that
+socket (uvicorn pauses a connection once 64 KiB of body are buffered), so a burst of large
+bodies waits in the clients and the kernel, not in this process. Only a call that waited
+``body_wait_s`` is answered a retryable 503. A body that has not arrived
+``body_timeout_s`` after its turn came is cut with a 408. A body counts until the app has
+translated it and calls ``release_body`` (``RELEASE_KEY`` in the scope), not while the call
+waits on the engine: by then what the call holds is the request it sent, about the body's
+size, and the engine, not this guard, decides how many calls wait at once. The body is
+then parsed by ``api.edge.json_body``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from api.edge.budget import ByteBudget
 from api.edge.errors import RETRY_HEADERS, send_edge_error
 from api.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,28 +44,30 @@ class BodyLimit:
         max_bytes: int,
         max_inflight_bytes: int | None = None,
         body_timeout_s: float = 30.0,
+        body_wait_s: float = 120.0,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.max_inflight_bytes = max_inflight_bytes or 4 * max_bytes
+        self.budget = ByteBudget(max_inflight_bytes or 4 * max_bytes)
         self.body_timeout_s = body_timeout_s
-        self.inflight_bytes = 0  # bodies of requests being read or served, this process
+        self.body_wait_s = body_wait_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        held = [0]  # bytes of this request counted in inflight_bytes
+        held = [0]  # bytes of this request taken from the budget
 
         def release() -> None:
-            self.inflight_bytes -= held[0]
+            self.budget.give(held[0])
             held[0] = 0
 
         scope = {**scope, RELEASE_KEY: release}
         try:
+            await self._wait_turn(scope, held)
             try:
                 async with asyncio.timeout(self.body_timeout_s):
-                    body = await self._read(scope, receive, held)
+                    body = await self._read(receive, held)
             except TimeoutError:
                 raise _Refused(
                     408, "request_timeout", f"request body not received in {self.body_timeout_s} s"
@@ -76,26 +83,43 @@ class BodyLimit:
         finally:
             release()
 
-    def _hold(self, held: list[int], size: int) -> None:
+    async def _wait_turn(self, scope: Scope, held: list[int]) -> None:
+        """Take the declared size from the budget, in line if it must wait (module doc)."""
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if not declared.isdigit():
+            return
+        size = int(declared)
+        self._check_size(size)  # refuse before reading a byte of it
+        if not await self.budget.take(size, self.body_wait_s):
+            raise _Refused(
+                503,
+                "overloaded_error",
+                f"the server is at its limit of request bytes in flight and this request "
+                f"waited {self.body_wait_s:g} s for room; retry shortly",
+            )
+        held[0] = size
+
+    def _check_size(self, size: int) -> None:
         if size > self.max_bytes:
             raise _Refused(
                 413,
                 "request_too_large",
                 f"request body exceeds the limit of {self.max_bytes} bytes",
             )
-        if self.inflight_bytes + size - held[0] > self.max_inflight_bytes:
+
+    def _grow(self, held: list[int], size: int) -> None:
+        """A body longer than declared (or undeclared) takes more room, only if it is free
+        now: waiting while holding part of a body could leave every reader waiting on all."""
+        self._check_size(size)
+        if not self.budget.grow(size - held[0]):
             raise _Refused(
                 503,
                 "overloaded_error",
                 "the server is at its limit of request bytes in flight; retry shortly",
             )
-        self.inflight_bytes += size - held[0]
         held[0] = size
 
-    async def _read(self, scope: Scope, receive: Receive, held: list[int]) -> bytes | None:
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit():
-            self._hold(held, int(declared))  # refuse before reading a byte of it
+    async def _read(self, receive: Receive, held: list[int]) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -105,7 +129,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > held[0]:
-                self._hold(held, size)
+                self._grow(held, size)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 

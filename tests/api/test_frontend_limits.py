@@ -40,6 +40,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
         "max_body_bytes": BODY_LIMIT,
         "max_inflight_bytes": BODY_LIMIT + BODY_LIMIT // 2,
         "body_timeout_s": 1.0,
+        "body_wait_s": 0.5,
     }
     with both_servers(tmp_path_factory.mktemp("captures"), **limits) as running:
         yield running
@@ -112,8 +113,38 @@ def test_a_valid_surrogate_pair_is_served(servers) -> None:
     assert response.status_code == 200, response.text
 
 
+def test_a_body_that_does_not_fit_waits_its_turn_unread(tmp_path: Path) -> None:
+    """One body of 200 KiB is being read (and stalls); a second of 200 KiB would pass the
+    384 KiB cap, so it waits, unread, until the first is cut (408), then it is served."""
+    limits = {
+        "max_body_bytes": BODY_LIMIT,
+        "max_inflight_bytes": BODY_LIMIT + BODY_LIMIT // 2,
+        "body_timeout_s": 1.0,
+        "body_wait_s": 30.0,
+    }
+    big = {
+        "model": "m",
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": "hello world " * 16_000}],
+    }
+    with both_servers(tmp_path / "captures", **limits) as running:
+        first = open_request(running.front, "/v1/messages", 200 * 1024, b"{")
+        try:
+            time.sleep(0.2)  # the first request's bytes are held now
+            started = time.monotonic()
+            second = httpx.post(running.base("waited-1") + "/v1/messages", json=big, timeout=30)
+            waited = time.monotonic() - started
+            assert read_status(first) == 408
+        finally:
+            first.close()
+    assert second.status_code == 200, second.text
+    assert waited >= 0.5  # it was served only once the first body's room came free
+    assert inspect(running.store_dir, "waited-1")["calls"] == 1
+
+
 def test_bytes_in_flight_beyond_the_cap_are_a_retryable_503(servers) -> None:
-    """One body of 200 KiB is being read; a second of 200 KiB would pass the 384 KiB cap."""
+    """One body of 200 KiB is being read; a second of 200 KiB would pass the 384 KiB cap,
+    and waits its turn for body_wait_s (0.5 s) before it is refused."""
     first = open_request(servers.front, "/v1/messages", 200 * 1024, b"{")
     try:
         time.sleep(0.2)  # the first request's bytes are held now
