@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -53,6 +54,9 @@ from capture.rollout_ids import validate_rollout_id
 
 LOG_SUFFIX = ".log"
 _CACHED_ROLLOUTS = 1024
+# Threads for the store's file work, fsyncs mostly: concurrent fsyncs of different logs are
+# cheap for the file system to batch, and a call waits on its own put.
+THREADS = 32
 SWEEP_INTERVAL_S = 3600.0  # drops sweep old tombstones at most this often
 _PEEK_BYTES = 1 << 20  # a tomb is small; a larger second record is an entry
 
@@ -78,6 +82,7 @@ class FileTokenStore:
         block_size: int = DEFAULT_BLOCK_SIZE,
         tombstone_ttl_s: float = TOMBSTONE_TTL_S,
         fsync: bool = True,
+        threads: int = THREADS,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -90,6 +95,9 @@ class FileTokenStore:
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._next_sweep = 0.0  # monotonic time of the next sweep a drop runs
+        # Its own threads: asyncio's default pool has cpu + 4 of them and also resolves
+        # every engine connection's host name; fsyncs queued there would stall those.
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="tokcap-filestore")
         if not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
             if fsync:
@@ -126,7 +134,7 @@ class FileTokenStore:
 
     async def set_policy_version(self, version: str) -> None:
         """Set the version every front end on this directory stamps new calls with."""
-        await asyncio.to_thread(write_policy_version, self.dir, version)
+        await self._run(write_policy_version, self.dir, version)
 
     async def policy_version(self) -> str | None:
         """The version last set (None: never)."""
@@ -188,11 +196,12 @@ class FileTokenStore:
         self._closed = True
         with self._cache_lock:
             self._cache.clear()
+        self._threads.shutdown(wait=False)  # writes under way finish; none start
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         if self._closed:
             raise TokenCaptureError(f"{self!r} is closed")
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
     # -- work done under a rollout's lock, in a worker thread ---------------------------
 
