@@ -1,4 +1,5 @@
-"""docker-compose.yml: the compose tool accepts it, and it says what the deployment needs.
+"""docker-compose.yml: the compose tool accepts it, and it says what the deployment needs,
+Prometheus and Grafana included (they scrape and show what the services listen on).
 
 ``docker compose config`` (or the older ``docker-compose config``) resolves and validates
 the file without a Docker engine. The YAML checks run everywhere; only the tool check
@@ -7,6 +8,7 @@ skips, and says so, where no compose tool is installed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -29,6 +31,10 @@ SECRETS = {
 }
 FRONTEND_CONFIG = ROOT / "deploy" / "tokcap.yaml"
 SERVICES = {"redis", "engine", "frontend", "worker"}
+# Prometheus and Grafana start with them: `docker compose up` shows the dashboard.
+MONITORING = {"prometheus", "grafana"}
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
+GRAFANA = ROOT / "deploy" / "grafana"
 # The `cluster` profile's services, started only with `--profile cluster`.
 CLUSTER_NODES = {f"redis-c{n}" for n in range(1, 7)}
 CLUSTER_SERVICES = CLUSTER_NODES | {"redis-cluster-init", "frontend-cluster", "worker-cluster"}
@@ -88,7 +94,7 @@ def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
     # docker compose v2 leaves out the services of profiles not asked for; docker-compose
     # 1.x prints them with their profiles, and starts them only when asked.
     default = {name for name, spec in resolved["services"].items() if not spec.get("profiles")}
-    assert default == SERVICES
+    assert default == SERVICES | MONITORING
     # The defaults were filled in: the tool resolved the variables, not left them raw.
     engine_command = resolved["services"]["engine"]["command"]
     assert "${" not in " ".join(engine_command)
@@ -98,6 +104,8 @@ def test_compose_config_accepts_the_file(tmp_path: Path) -> None:
     assert published(services["frontend"]) == [("127.0.0.1", "8000", "8000")]
     assert published(services["redis"]) == [("127.0.0.1", "6379", "6379")]
     assert not published(services["engine"]) and not published(services["worker"])
+    assert published(services["prometheus"]) == [("127.0.0.1", "9090", "9090")]
+    assert published(services["grafana"]) == [("127.0.0.1", "3000", "3000")]
     redis_command = services["redis"]["command"]
     assert redis_command[redis_command.index("--requirepass") + 1] == "pw-for-compose-test"
     for name in ("frontend", "worker"):
@@ -111,7 +119,7 @@ def test_compose_config_accepts_the_cluster_profile(tmp_path: Path) -> None:
     proc = compose_config(tmp_path, "cluster", **SECRETS)
     assert proc.returncode == 0, proc.stderr
     services = yaml.safe_load(proc.stdout)["services"]
-    assert set(services) == SERVICES | CLUSTER_SERVICES
+    assert set(services) == SERVICES | MONITORING | CLUSTER_SERVICES
     for name in CLUSTER_NODES:
         command = services[name]["command"]
         assert command[command.index("--requirepass") + 1] == "pw-for-compose-test"
@@ -128,7 +136,7 @@ def test_compose_config_refuses_to_run_without_its_secrets(tmp_path: Path, missi
 def test_published_ports_listen_on_loopback_and_redis_needs_a_password(compose: dict) -> None:
     """The same bindings as written in the file, where no compose tool is installed."""
     services = compose["services"]
-    for name in ("frontend", "redis"):
+    for name in ("frontend", "redis", "prometheus", "grafana"):
         assert [port.partition(":")[0] for port in services[name]["ports"]] == ["127.0.0.1"]
     assert "ports" not in services["engine"] and "ports" not in services["worker"]
     command = services["redis"]["command"]
@@ -141,7 +149,7 @@ def test_published_ports_listen_on_loopback_and_redis_needs_a_password(compose: 
 
 
 def test_every_service_has_a_healthcheck(compose: dict) -> None:
-    assert set(compose["services"]) == SERVICES | CLUSTER_SERVICES
+    assert set(compose["services"]) == SERVICES | MONITORING | CLUSTER_SERVICES
     for name, service in compose["services"].items():
         if service.get("restart") == "no":
             continue  # a one-shot job: it ends, it is never healthy
@@ -319,3 +327,66 @@ def test_cluster_worker_healthcheck_passes_against_a_real_cluster_worker(
         while subprocess.run(check, capture_output=True, timeout=30, env=environ).returncode != 0:
             assert time.monotonic() < deadline, "the cluster worker healthcheck never passed"
             time.sleep(0.2)
+
+
+def option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_prometheus_scrapes_the_front_ends_and_every_worker_where_they_listen(
+    compose: dict,
+) -> None:
+    """Each scrape job names compose services, on the port each listens on inside the network;
+    the workers' metrics listen there (0.0.0.0 in the container) and are never published."""
+    services = compose["services"]
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"tokcap-frontend", "tokcap-worker"}
+    port_of = {
+        name: option(services[name]["command"], "--port")
+        for name in ("frontend", "frontend-cluster")
+    }
+    for name in ("worker", "worker-cluster"):
+        command = services[name]["command"]
+        assert option(command, "--metrics-host") == "0.0.0.0", name
+        port_of[name] = option(command, "--metrics-port")
+        assert "ports" not in services[name], "a fixed host port stops `--scale worker=N`"
+    for job in jobs.values():
+        assert job["metrics_path"] == "/metrics"
+        (discovery,) = job["dns_sd_configs"]
+        assert discovery["type"] == "A", "one target per container of a scaled service"
+        for name in discovery["names"]:
+            assert port_of[name] == str(discovery["port"]), (job["job_name"], name)
+    mount = "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
+    assert mount in services["prometheus"]["volumes"]
+
+
+def test_grafana_is_provisioned_read_only_from_the_repository(compose: dict) -> None:
+    """The mounts exist, the dashboard provider reads where they are mounted, the datasource
+    is the compose file's Prometheus under the uid every panel names, and the home dashboard
+    is the provisioned one; anonymous users only view."""
+    grafana = compose["services"]["grafana"]
+    mounts = {}
+    for volume in grafana["volumes"]:
+        source, target, mode = volume.split(":")
+        assert mode == "ro" and (ROOT / source).exists(), volume
+        mounts[target] = ROOT / source
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "tokcap.yml").read_text())[
+        "providers"
+    ]
+    dashboards = mounts[provider["options"]["path"]]
+    assert dashboards == GRAFANA / "dashboards" and provider["allowUiUpdates"] is False
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    home_dir, _, home_file = home.rpartition("/")
+    dashboard = json.loads((mounts[home_dir] / home_file).read_text())
+    uids = {panel["datasource"]["uid"] for panel in dashboard["panels"] if "datasource" in panel}
+    assert uids == {source["uid"]}
+    environment = grafana["environment"]
+    assert environment["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert environment["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"

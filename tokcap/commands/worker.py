@@ -1,7 +1,9 @@
 """``tokcap worker``: a pool of rebuild workers on the Redis job stream.
 
 Start one process per core and give each ``--concurrency`` tasks; every process joins the
-same consumer group, so scaling out is starting another one.
+same consumer group, so scaling out is starting another one. ``--metrics-port`` (or
+``TOKCAP_WORKER_METRICS_PORT``) serves the process's Prometheus metrics, on 127.0.0.1 unless
+``--metrics-host`` says otherwise; several processes on one host each take their own port.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -17,6 +20,9 @@ from tokcap.commands.redis_url import add_cluster_argument, add_url_argument, re
 from tokcap.help import verb_main
 from transports.rebuild.settings import WorkerSettings
 from transports.rebuild.worker import RebuildWorker, run_worker
+
+# The port of the worker's metrics when --metrics-port is not given (none: not served).
+METRICS_PORT_ENV = "TOKCAP_WORKER_METRICS_PORT"
 
 # Flags that set one WorkerSettings field each, in --help order, with what the field means;
 # the flag is the field's name with dashes, and its type and default are the field's.
@@ -62,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--consumer", default=None, help="this worker's name in the group (default <host>-<pid>)"
     )
+    add_metrics_arguments(parser, defaults)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -70,8 +77,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def port_number(text: str) -> int:
+    """A TCP port, from the flag or the environment; the error names both."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a port (0-65535; from --metrics-port or ${METRICS_PORT_ENV})"
+        )
+    return port
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser, defaults: WorkerSettings) -> None:
+    """Where the Prometheus metrics are served: nowhere unless a port is named."""
+    parser.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=os.environ.get(METRICS_PORT_ENV) or None,  # argparse converts it with type
+        metavar="PORT",
+        help=f"serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+        f"default ${METRICS_PORT_ENV}, else not served)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=defaults.metrics_host,
+        metavar="HOST",
+        help="address the metrics listen on (default %(default)s; 0.0.0.0 in a container "
+        "that Prometheus scrapes from another)",
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     chosen = {name: getattr(args, name) for name in SETTING_FLAGS}
+    chosen["metrics_port"] = args.metrics_port
+    chosen["metrics_host"] = args.metrics_host
     chosen["delivery"] = args.delivery
     chosen["min_delivered_fraction"] = args.min_delivered_fraction
     chosen["cluster"] = args.cluster

@@ -1,4 +1,5 @@
-"""What a rebuild worker process is told: its Redis, streams, group, pace and delivery.
+"""What a rebuild worker process is told: its Redis, streams, group, pace, delivery and
+where it serves its metrics.
 
 The CLI (``tokcap worker``) fills it from flags; tests and embedders build it directly.
 """
@@ -37,6 +38,12 @@ class WorkerSettings:
     # What a rebuild delivers and the least it may (token_id_capture's keys of the same name).
     delivery: Delivery = "chain"
     min_delivered_fraction: float | None = None
+    # Prometheus metrics (``transports.rebuild.metrics``): served only when a port is given
+    # (0: any free one), on loopback unless another host is named; the queue is sampled
+    # every metrics_interval_s while they are served.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_interval_s: float = 5.0
 
     @property
     def redis(self) -> RedisOptions:
@@ -61,5 +68,9 @@ class WorkerSettings:
         fraction = self.min_delivered_fraction
         if fraction is not None and not 0.0 <= fraction <= 1.0:
             raise ValueError(f"min_delivered_fraction must be within [0, 1], not {fraction}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be within [0, 65535], not {self.metrics_port}")
+        if self.metrics_interval_s <= 0:
+            raise ValueError("metrics_interval_s must be > 0")
         base = Streams(self.jobs_stream, self.results_stream, self.dead_stream)
         self.shard_streams = k.shard_streams(base, self.shards, tagged=self.cluster)

@@ -26,6 +26,9 @@ the queue in its group; a job's dead letter, its errors and its result stay on i
 the one of its rollout id. Reading jobs and joining the groups ride out a lost connection, or
 a cluster master that cannot prove the durability yet (``RebuildWorker.is_outage``), in
 ``capture.outage``'s loop, pausing ``READ_RETRY_PAUSE_S`` between tries, until ``stop``.
+
+Every worker counts its jobs in Prometheus metrics (``transports.rebuild.metrics``); with
+``metrics_port`` set it serves them and samples the queue's depth while it runs.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from capture.delivery import (
 from capture.outage import retry_through_outage
 from transports.rebuild.jobs import MalformedJobError, decode_job
 from transports.rebuild.layout import agree_on_layout
+from transports.rebuild.metrics import MetricsServer, WorkerMetrics, watch_queue
 from transports.rebuild.publish import Published, ResultToPublish, publish_durably
 from transports.rebuild.results import encode_result
 from transports.rebuild.settings import WorkerSettings
@@ -101,6 +105,9 @@ class RebuildWorker:
         )
         self._stop = asyncio.Event()
         self._in_flight: dict[asyncio.Task[None], Job] = {}
+        self.metrics = WorkerMetrics()
+        self.metrics.in_flight.set_function(lambda: len(self._in_flight))
+        self.metrics_server: MetricsServer | None = None  # while ``run`` serves them
         self._next_claim = 0.0  # when to look for stale jobs next (monotonic)
 
     def stop(self) -> None:
@@ -155,18 +162,37 @@ class RebuildWorker:
         await self.jobs.ensure_groups()
 
     async def run(self) -> None:
-        """Process jobs until ``stop``; in-flight jobs always finish, even on an error."""
-        heartbeat = None
+        """Process jobs until ``stop``; in-flight jobs always finish, even on an error.
+
+        The metrics are served from the start, so a worker still waiting for its Redis is
+        scraped too; the queue is sampled once the groups exist.
+        """
+        helpers: list[asyncio.Task[None]] = []
+        done = asyncio.Event()  # ends the queue's sampler, whether or not a cancel reaches it
+        self._serve_metrics()
         try:
             await self.start()
-            heartbeat = asyncio.create_task(self._heartbeat())
+            helpers.append(asyncio.create_task(self._heartbeat()))
+            if self.metrics_server is not None:
+                interval_s = self.settings.metrics_interval_s
+                sampler = watch_queue(self.jobs, self.metrics, interval_s, done)
+                helpers.append(asyncio.create_task(sampler))
             await self._dispatch()
         finally:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
-            if heartbeat is not None:
-                heartbeat.cancel()
-                await asyncio.gather(heartbeat, return_exceptions=True)
+            done.set()
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
             await self.close()
+
+    def _serve_metrics(self) -> None:
+        """Serve the metrics on ``metrics_port`` (when set); a port taken ends the worker."""
+        s = self.settings
+        if s.metrics_port is None or self.metrics_server is not None:
+            return
+        self.metrics_server = MetricsServer(self.metrics, s.metrics_host, s.metrics_port)
+        log.info("metrics at %s", self.metrics_server.url)
 
     async def _dispatch(self) -> None:
         """Keep up to ``concurrency`` jobs in flight: stale ones first, then new ones."""
@@ -219,6 +245,9 @@ class RebuildWorker:
 
     async def close(self) -> None:
         await self.source.close()  # its client is the worker's too
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+            self.metrics_server = None
 
     async def _claim_stale(self, count: int) -> list[Job]:
         """Take over jobs another consumer left pending for ``claim_idle_ms``."""
@@ -272,7 +301,9 @@ class RebuildWorker:
                 return
             await self.process(job_id, fields, streams)
         except MalformedJobError as exc:
-            await self._dead_letter(job_id, fields, str(exc), deliveries, streams)
+            await self._dead_letter(
+                job_id, fields, str(exc), deliveries, streams, reason="malformed"
+            )
         except Exception as exc:  # any other failure: keep the job pending, or give up
             self.counts["failed"] += 1
             error = f"{type(exc).__name__}: {exc}"
@@ -283,6 +314,7 @@ class RebuildWorker:
                 if deliveries >= s.max_attempts:
                     await self._dead_letter(job_id, fields, error, deliveries, streams)
                 else:
+                    self.metrics.retried.inc()
                     await self.jobs.note_error(streams, job_id, error)
             except Exception as inner:
                 log.error("could not record the failure of job %s: %s", job_id, inner)
@@ -297,6 +329,7 @@ class RebuildWorker:
         most; a rollout still changing after that is retried as a failed job. ``streams``
         is the shard the job was read from (by default, its rollout's).
         """
+        began = time.monotonic()
         for _ in range(REBUILD_ROUNDS):
             rollout_id, record = decode_job(fields)  # finalize mutates it: a fresh copy each round
             built = await self._build(rollout_id, record)
@@ -309,6 +342,7 @@ class RebuildWorker:
             )
         await self.jobs.ack(streams or self.streams_of(rollout_id), job_id)
         self.counts["done"] += 1
+        self.metrics.record_rebuilt(built, published, time.monotonic() - began)
 
     async def _build(self, rollout_id: str, record: dict[str, Any]) -> RolloutBuild:
         """Finalize the record; a record or source error raises instead of being published.
@@ -334,7 +368,9 @@ class RebuildWorker:
     ) -> bool:
         """Retire what may be retired; False when the rollout must be rebuilt again."""
         self.counts["published"] += int(published.fresh)
-        self.counts["superseded"] += int(published.fresh and bool(published.supersedes))
+        if published.fresh and published.supersedes:
+            self.counts["superseded"] += 1
+            self.metrics.superseded.inc()
         if published.stale:
             log.warning(
                 "rollout %s: a newer version than v%s was already published (%s); rebuilding",
@@ -410,9 +446,18 @@ class RebuildWorker:
         )
 
     async def _dead_letter(
-        self, job_id: str, fields: Any, error: str, deliveries: int, streams: Streams
+        self,
+        job_id: str,
+        fields: Any,
+        error: str,
+        deliveries: int,
+        streams: Streams,
+        reason: str = "attempts",
     ) -> None:
+        """Move the job to its shard's dead letters; ``reason`` is the metric's label:
+        ``malformed`` (it can never be rebuilt) or ``attempts`` (it used them all up)."""
         self.counts["dead"] += 1
+        self.metrics.dead.labels(reason=reason).inc()
         log.error("job %s goes to %s: %s", job_id, streams.dead, error)
         await self.jobs.dead_letter(streams, job_id, fields, error, deliveries)
 
