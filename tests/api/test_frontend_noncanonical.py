@@ -15,12 +15,12 @@ from pathlib import Path
 import anthropic
 
 from tests.support.frontend import (
-    BASH_TOOL,
     answer_output,
     assert_entries_equal_ground_truth,
     both_servers,
     finalize,
     freeze,
+    sdk_tool_loop,
 )
 
 PROMPT = "run echo hello and then tell me about the working directory in some detail"
@@ -32,28 +32,7 @@ def test_noncanonical_ids_split_the_chain_and_it_is_reported(tmp_path: Path) -> 
     with both_servers(tmp_path, engine=engine) as servers:
         sdk = anthropic.Anthropic(base_url=servers.base(rollout_id), api_key="dummy", max_retries=0)
         messages = [{"role": "user", "content": PROMPT}]
-        while True:
-            reply = sdk.messages.create(
-                model="m", max_tokens=2000, messages=messages, tools=[BASH_TOOL]
-            )
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": [b.model_dump(exclude_none=True) for b in reply.content],
-                }
-            )
-            uses = [block for block in reply.content if block.type == "tool_use"]
-            if not uses:
-                break
-            messages.append(
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "tool_result", "tool_use_id": use.id, "content": "ok"}
-                        for use in uses
-                    ],
-                }
-            )
+        _, reply = sdk_tool_loop(sdk, messages)
         truth = servers.ground_truth()
     snapshot = freeze(tmp_path, rollout_id)
     # The capture is exact: every entry is what the engine sampled.

@@ -20,7 +20,6 @@ import pytest
 from capture.delivery import finalize_rollout_token_capture
 from tests.api.test_frontend_redis import redis_settings
 from tests.support.frontend import (
-    BASH_TOOL,
     assert_entries_equal_ground_truth,
     assert_one_contiguous_chain,
     both_servers,
@@ -29,6 +28,7 @@ from tests.support.frontend import (
     freeze,
     front_end,
     run,
+    sdk_tool_loop,
 )
 from transports.redis import RedisTokenStore
 
@@ -41,28 +41,10 @@ FEW_SHOT = [
 def tool_loop(
     base: str, seed: list[dict[str, Any]], before_call: Callable[[int], None] | None = None
 ) -> int:
-    """An SDK tool loop opened by ``seed`` (then the task); ``before_call(n)`` runs before
-    call ``n`` (0-based). Returns the number of calls."""
+    """An SDK tool loop opened by ``seed`` (then the task); returns the number of calls."""
     sdk = anthropic.Anthropic(base_url=base, api_key="dummy", max_retries=0)
     messages: list[dict[str, Any]] = [*seed, {"role": "user", "content": "run echo hello"}]
-    for n in range(6):
-        if before_call is not None:
-            before_call(n)
-        reply = sdk.messages.create(
-            model="m", max_tokens=16000, messages=messages, tools=[BASH_TOOL]
-        )
-        messages.append(
-            {
-                "role": "assistant",
-                "content": [b.model_dump(exclude_none=True) for b in reply.content],
-            }
-        )
-        uses = [b for b in reply.content if b.type == "tool_use"]
-        if not uses:
-            return n + 1
-        results = [{"type": "tool_result", "tool_use_id": u.id, "content": "ran"} for u in uses]
-        messages.append({"role": "user", "content": results})
-    raise AssertionError("the tool loop did not end")
+    return sdk_tool_loop(sdk, messages, before_call=before_call, max_tokens=16000)[0]
 
 
 @pytest.mark.parametrize("delivery", ["chain", "segments"])

@@ -22,24 +22,12 @@ import httpx
 from api.edge.metrics import MULTIPROC_ENV
 from capture.errors import ConfigError
 from capture.filestore.store import FileTokenStore
-from tests.support.frontend import engine_server
+from tests.support.frontend import REDIS_SERVE_CONFIG, engine_server
 from tokcap_devtools.processes import free_port, stop_process, wait_http
 
 REDIS_SECRET = "redis-pw-8a1f3c"
 UPSTREAM_USER, UPSTREAM_SECRET = "gymuser", "upstream-pw-77d2e9"
 SECRETS = (REDIS_SECRET, UPSTREAM_SECRET, UPSTREAM_USER)
-
-CONFIG = """
-model_server:
-  model: tokcap-engine
-  sampling_overrides: {temperature: 1.0, top_p: 1.0, top_k: -1, min_p: 0.0,
-                       repetition_penalty: 1.0}
-token_id_capture:
-  enabled: true
-  sink: transports.redis:RedisTokenSink
-  sink_kwargs: {url: "${oc.env:TOKCAP_REDIS_URL}"}
-  rebuild_response: false
-"""
 
 
 class FailsInWorkers(FileTokenStore):
@@ -121,7 +109,7 @@ def test_two_workers_share_their_metrics_and_print_no_credential(
 ) -> None:
     redis = redis_server_factory(requirepass=REDIS_SECRET)
     config = tmp_path / "serve.yaml"
-    config.write_text(CONFIG)
+    config.write_text(REDIS_SERVE_CONFIG)
     log = tmp_path / "serve.log"
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -158,7 +146,7 @@ def test_a_bad_gateway_names_the_upstream_by_host_and_port_only(
 ) -> None:
     redis = redis_server_factory(requirepass=REDIS_SECRET)
     config = tmp_path / "serve.yaml"
-    config.write_text(CONFIG)
+    config.write_text(REDIS_SERVE_CONFIG)
     log = tmp_path / "serve.log"
     nothing = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     args = _serve_args(config, free_port(), _with_credentials(nothing))
@@ -188,7 +176,7 @@ def test_a_bad_gateway_names_the_upstream_by_host_and_port_only(
 def _serve_on(tmp_path: Path, redis: Any) -> subprocess.CompletedProcess:
     """``tokcap serve`` on a private Redis the sink must refuse; its finished process."""
     config = tmp_path / "serve.yaml"
-    config.write_text(CONFIG)
+    config.write_text(REDIS_SERVE_CONFIG)
     args = _serve_args(config, free_port(), "http://127.0.0.1:1", "--skip-probe")
     return subprocess.run(
         args,
@@ -223,7 +211,7 @@ def test_an_evicting_redis_fails_the_command_naming_the_fix(
 
 def test_an_unreachable_sink_fails_the_command(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
-    config.write_text(CONFIG)
+    config.write_text(REDIS_SERVE_CONFIG)
     args = _serve_args(config, free_port(), "http://127.0.0.1:1", "--skip-probe")
     done = subprocess.run(
         args,

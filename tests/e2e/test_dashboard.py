@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.fixtures_redis import RedisServer
-from tests.support.frontend import answer_output, engine_server
+from tests.support.frontend import REDIS_SERVE_CONFIG, answer_output, engine_server
 from tests.support.servers import free_port, run_process
 from transports.rebuild.jobs import RebuildQueue
 
@@ -32,17 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tokcap.json"
 SECRET = "dash-pw-5c2e91"
 ROLLOUT = "dash-1"
-CONFIG = """
-model_server:
-  model: tokcap-engine
-  sampling_overrides: {temperature: 1.0, top_p: 1.0, top_k: -1, min_p: 0.0,
-                       repetition_penalty: 1.0}
-token_id_capture:
-  enabled: true
-  sink: transports.redis:RedisTokenSink
-  sink_kwargs: {url: "${oc.env:TOKCAP_REDIS_URL}"}
-  rebuild_response: false
-"""
 # The sample names each metric type exposes, after its family's name.
 SUFFIXES = {
     "counter": ("_total", "_created"),
@@ -121,7 +110,7 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (tmp / "redis").mkdir()
     redis = RedisServer(tmp / "redis", requirepass=SECRET).start()
     config = tmp / "serve.yaml"
-    config.write_text(CONFIG)
+    config.write_text(REDIS_SERVE_CONFIG)
     url = f"redis://:{SECRET}@127.0.0.1:{redis.port}/0"
     env = {"PYTHONPATH": str(ROOT), "TOKCAP_REDIS_URL": url}
     front_port, metrics_port = free_port(), free_port()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,19 @@ from tokcap_devtools.engine.server import create_app as create_engine_app
 from tokcap_devtools.engine.settings import EngineSettings
 
 OVERRIDES = {"temperature": 0.75, "top_p": 0.95}
+# ``tokcap serve --config`` for the tokcap engine and the Redis TOKCAP_REDIS_URL names (its
+# password stays in the environment, out of the file and the command line).
+REDIS_SERVE_CONFIG = """
+model_server:
+  model: tokcap-engine
+  sampling_overrides: {temperature: 1.0, top_p: 1.0, top_k: -1, min_p: 0.0,
+                       repetition_penalty: 1.0}
+token_id_capture:
+  enabled: true
+  sink: transports.redis:RedisTokenSink
+  sink_kwargs: {url: "${oc.env:TOKCAP_REDIS_URL}"}
+  rebuild_response: false
+"""
 BASH_TOOL = {
     "name": "Bash",
     "description": "Run a shell command and return its output.",
@@ -38,6 +51,32 @@ BASH_TOOL = {
         "required": ["command"],
     },
 }
+
+
+def sdk_tool_loop(
+    sdk: Any,
+    messages: list[dict[str, Any]],
+    *,
+    before_call: Callable[[int], None] | None = None,
+    max_calls: int = 8,
+    **create: Any,
+) -> tuple[int, Any]:
+    """An Anthropic SDK tool loop from ``messages`` (extended in place) until the model stops
+    calling tools, each tool answered "ok"; ``before_call(n)`` runs before call ``n``
+    (0-based). Returns (the number of calls, the last reply)."""
+    create = {"model": "m", "max_tokens": 2000, "tools": [BASH_TOOL], **create}
+    for n in range(max_calls):
+        if before_call is not None:
+            before_call(n)
+        reply = sdk.messages.create(messages=messages, **create)
+        content = [block.model_dump(exclude_none=True) for block in reply.content]
+        messages.append({"role": "assistant", "content": content})
+        uses = [block for block in reply.content if block.type == "tool_use"]
+        if not uses:
+            return n + 1, reply
+        results = [{"type": "tool_result", "tool_use_id": u.id, "content": "ok"} for u in uses]
+        messages.append({"role": "user", "content": results})
+    raise AssertionError(f"the tool loop did not end in {max_calls} calls")
 
 
 @dataclass
