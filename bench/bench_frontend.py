@@ -9,6 +9,13 @@ the capture are told apart. Prints p50/p95 of each and of the per-round differen
 the CPU each server process spent per call (less sensitive to a busy machine than the
 wall clock). A figure, never a test assertion.
 
+``--steps`` runs each front end under ``bench/frontend_steps.py`` and prints the thread CPU
+of each step of a captured call (parse, translate, traits, engine body, send/receive, decode,
+read ids, entry, pack and hash, store put, intent, reply), what no step covers (HTTP server
+and client protocols, middleware, event loop, thread hops) and the process's CPU during the
+call; these totals are measured in the server, per call, and are steadier than the
+/proc figures above, which count 10 ms ticks.
+
 ``--baseline-src DIR`` also runs an engine and a front end from another checkout of the
 sources (say ``git worktree add /tmp/base <commit>``) with the same interpreter, and
 interleaves its calls with this tree's, so a change is measured against its baseline in
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -35,6 +43,7 @@ import httpx
 
 from api.engine.vllm import CHAT_PARAMS as CAPTURE_PARAMS
 from bench.bench_engine import prompt_of
+from bench.frontend_steps import PROBES
 from tests.support.servers import free_port, run_process
 
 CONFIG = """
@@ -47,6 +56,7 @@ env:
       dir: {dir}
 """
 KINDS = ("direct", "untagged", "captured")
+STEPS_SCRIPT = str(Path(__file__).with_name("frontend_steps.py"))
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -67,9 +77,15 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.contextmanager
 def servers(
-    name: str, tmp: Path, bodies: tuple[dict, dict], src: str | None, server_args: list[str]
+    name: str,
+    tmp: Path,
+    bodies: tuple[dict, dict],
+    src: str | None,
+    server_args: list[str],
+    steps: Path | None = None,
 ) -> Iterator[dict[str, tuple[str, dict, int]]]:
-    """An engine and a front end; yields {kind: (url, body, pid of the server doing the work)}."""
+    """An engine and a front end; yields {kind: (url, body, pid of the server doing the work)}.
+    With ``steps``, the front end runs under the step probes and writes them there on exit."""
     config = tmp / f"{name}.yaml"
     config.write_text(CONFIG.format(dir=tmp / f"captures-{name}"))
     # Another checkout: its sources only, never this tree's (no current directory on sys.path).
@@ -85,10 +101,10 @@ def servers(
         str(engine_port),
         *server_args,
     ]
+    serve = [STEPS_SCRIPT, str(steps)] if steps else ["-m", "tokcap.commands.serve"]
     front_cmd = [
         sys.executable,
-        "-m",
-        "tokcap.commands.serve",
+        *serve,
         "--config",
         str(config),
         "--upstream",
@@ -161,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto")
+    parser.add_argument(
+        "--steps", action="store_true", help="probe each front end: CPU per step of a call"
+    )
     args = parser.parse_args(argv)
     prompt = prompt_of(args.prompt_tokens)
     direct_body = {
@@ -176,26 +195,45 @@ def main(argv: list[str] | None = None) -> int:
     }
     bodies = (direct_body, front_body)
     server_args = ["--loop", args.loop, "--http", args.http]
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        setups: dict[str, Any] = {}
-        if args.baseline_src:
-            src = os.path.abspath(args.baseline_src)
-            setups["before"] = stack.enter_context(servers("before", Path(tmp), bodies, src, []))
-        setups["after" if args.baseline_src else "this"] = stack.enter_context(
-            servers("this", Path(tmp), bodies, None, server_args)
-        )
-        client = stack.enter_context(httpx.Client(timeout=120))
-        times, cpu = measure(client, setups, args.calls)
-        engine = next(iter(setups.values()))["direct"][0].rsplit("/v1/", 1)[0]
-        prompt_tokens = client.post(
-            engine + "/tokenize",
-            json={"model": "tokcap-engine", "messages": direct_body["messages"]},
-        ).json()["count"]
+    with tempfile.TemporaryDirectory() as tmp:
+        probes = {"before": Path(tmp) / "steps-before.json", "this": Path(tmp) / "steps-this.json"}
+        with contextlib.ExitStack() as stack:
+            setups: dict[str, Any] = {}
+            if args.baseline_src:
+                src = os.path.abspath(args.baseline_src)
+                steps = probes["before"] if args.steps else None
+                setups["before"] = stack.enter_context(
+                    servers("before", Path(tmp), bodies, src, [], steps)
+                )
+            steps = probes["this"] if args.steps else None
+            setups["after" if args.baseline_src else "this"] = stack.enter_context(
+                servers("this", Path(tmp), bodies, None, server_args, steps)
+            )
+            client = stack.enter_context(httpx.Client(timeout=120))
+            times, cpu = measure(client, setups, args.calls)
+            engine = next(iter(setups.values()))["direct"][0].rsplit("/v1/", 1)[0]
+            prompt_tokens = client.post(
+                engine + "/tokenize",
+                json={"model": "tokcap-engine", "messages": direct_body["messages"]},
+            ).json()["count"]
+        # The servers have exited, so the probes have written their files.
+        found = [json.loads(probes[name].read_text()) for name in ("before", "this") if args.steps]
     print(
         f"prompt {prompt_tokens} tokens, {args.calls} interleaved rounds, "
         f"max_tokens {args.max_tokens}, loop {args.loop}, http {args.http}"
     )
-    names = list(setups)
+    print_latency(times, cpu, list(setups))
+    if args.steps:
+        found = found[-len(setups) :]  # the baseline's file exists only with one
+        print_steps(dict(zip(setups, found, strict=True)))
+    print("target: captured - direct <= 2 ms p50")
+    return 0
+
+
+def print_latency(
+    times: dict[tuple[str, str], list[float]], cpu: dict[tuple[str, str], float], names: list[str]
+) -> None:
+    """p50/p95 of each kind and of the differences, per setup, and the CPU per call."""
     table = {name: rows({kind: times[name, kind] for kind in KINDS}) for name in names}
     header = "".join(f"  {name + ' p50':>12s} {'p95':>8s}" for name in names)
     ratio = "  after/before p50" if len(names) == 2 else ""
@@ -212,8 +250,49 @@ def main(argv: list[str] | None = None) -> int:
     print("server CPU per call, ms (the engine for direct, the front end otherwise):")
     for name in names:
         print(f"  {name:8s}" + "".join(f"  {kind} {cpu[name, kind] * 1000:6.2f}" for kind in KINDS))
-    print("target: captured - direct <= 2 ms p50")
-    return 0
+
+
+def print_steps(found: dict[str, dict[str, Any]]) -> None:
+    """Thread CPU per step of a captured call, per setup, then what no step covers: on the
+    event loop's thread (HTTP server and client, middleware, the loop) and on the others
+    (the thread pool's hops), and the process's CPU during the call."""
+    names = list(found)
+    captured = {name: found[name]["captured"] for name in names}
+    calls = {name: max(captured[name]["calls"], 1) for name in names}
+
+    def per_call(name: str, seconds: float) -> float:
+        return seconds * 1000 / calls[name]
+
+    order = dict.fromkeys(step for _, _, step, _ in PROBES)  # the order a call runs them
+    steps = [step for step in order if any(step in captured[n]["seconds"] for n in names)]
+    print("captured call, front end CPU per step, ms" + "".join(f"  {n:>8s}" for n in names))
+
+    def line(label: str, values: dict[str, float]) -> None:
+        print(f"  {label:44s}" + "".join(f"  {per_call(n, values[n]):8.3f}" for n in names))
+
+    for step in steps:
+        line(step, {n: captured[n]["seconds"].get(step, 0.0) for n in names})
+    sums = {n: sum(captured[n]["seconds"].values()) for n in names}
+    off_loop = {n: captured[n]["off_loop"] for n in names}
+    loop = {n: captured[n]["totals"]["loop thread"] for n in names}
+    process = {n: captured[n]["totals"]["process"] for n in names}
+    line("sum of the steps", sums)
+    line(
+        "rest on the loop (server, client, middleware)",
+        {n: loop[n] - (sums[n] - off_loop[n]) for n in names},
+    )
+    line(
+        "rest on other threads (pool hops)", {n: process[n] - loop[n] - off_loop[n] for n in names}
+    )
+    line("total: process CPU during the call", process)
+    untagged = {n: found[n]["untagged"] for n in names}
+    print(
+        f"  {'untagged call, process CPU during the call':44s}"
+        + "".join(
+            f"  {u['totals'].get('process', 0.0) * 1000 / max(u['calls'], 1):8.3f}"
+            for u in untagged.values()
+        )
+    )
 
 
 def diff(a: list[float], b: list[float]) -> list[float]:
