@@ -8,8 +8,8 @@ falls back to the stdlib with the settings used before (httpx's request encoder,
 ``JSONResponse``). A non-finite number read by the stdlib is kept as a float subclass that
 orjson refuses, so writing it out again takes the stdlib path and fails as it always did
 (``allow_nan=False``) instead of becoming ``null``. orjson reads an integer beyond 64 bits
-as a float, so ``loads`` is for the upstream reply (token ids and counts) and a harness body
-is read by ``loads_stdlib``, where every integer stays exact.
+as a float, so a harness body that may hold one is read again by ``loads_stdlib``, where
+every integer stays exact (``api.edge.json_body``).
 """
 
 from __future__ import annotations

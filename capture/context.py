@@ -108,7 +108,9 @@ async def retry_until(write: Callable[[], Awaitable[Any]], until: float) -> Exce
 
     async def attempt() -> None:
         remaining = until - time.monotonic()
-        await asyncio.wait_for(write(), timeout=max(remaining, 0.001))
+        # A deadline on this task, not wait_for's task of its own around the write (3.11).
+        async with asyncio.timeout(max(remaining, 0.001)):
+            await write()
 
     def pause_after(failures: int) -> float | None:
         remaining = until - time.monotonic()
@@ -143,7 +145,8 @@ async def begin_call() -> None:
     if not callable(begin):
         return
     try:
-        await asyncio.wait_for(begin(call.rollout_id, call.model_call_id), call.timeout_s / 2)
+        async with asyncio.timeout(call.timeout_s / 2):
+            await begin(call.rollout_id, call.model_call_id)
         call.intent_recorded = True
     except RolloutFrozenError as exc:
         # The call began after its rollout was frozen: it is not part of the snapshot, and

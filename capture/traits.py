@@ -33,16 +33,55 @@ MIN_LINE_CHARS = 16
 TAG = re.compile(r"</?[A-Za-z][\w.-]*(?:\s[^<>]*)?/?>")
 
 
+# A long message is split into lines a piece at a time (this many characters, then twice
+# as many each time), so a reader that needs only its first lines never splits the rest.
+FIRST_PIECE_CHARS = 8192
+
+
+def _lines(text: str) -> Iterator[str]:
+    """``text.splitlines()``, a piece at a time. Each piece ends just after a newline (a
+    CR LF pair stays whole), so the pieces' lines are exactly the text's."""
+    start, size = 0, FIRST_PIECE_CHARS
+    while start < len(text):
+        cut = text.find("\n", start + size)
+        end = len(text) if cut < 0 else cut + 1
+        yield from text[start:end].splitlines()
+        start, size = end, size * 2
+
+
+def _words(line: str) -> str:
+    """``" ".join(line.split())``: runs of whitespace as one space, none at the ends.
+
+    Most lines have nothing to collapse, and the test for that is cheaper than the split:
+    within a line from ``splitlines``, the only ASCII whitespace left is the space, the tab
+    and the unit separator, so an ASCII line without a tab, a unit separator, a double
+    space or a space at an end is its own result.
+    """
+    if (
+        line.isascii()
+        and "  " not in line
+        and "\t" not in line
+        and "\x1f" not in line
+        and line[:1] != " "
+        and line[-1:] != " "
+    ):
+        return line
+    return " ".join(line.split())
+
+
 def _digests(text: str) -> Iterator[str]:
     """One short digest per line worth comparing, markup tags and spacing aside; read line
     by line, so a reader that needs only the first few stops early."""
-    for raw in text.splitlines():
+    empty = hashlib.blake2b(digest_size=6)  # copied per line: cheaper than a new hasher
+    for raw in _lines(text):
         if len(raw) < MIN_LINE_CHARS:
             continue  # too short for any line in it to count
         for line in TAG.sub("\n", raw).splitlines() if "<" in raw else (raw,):
-            words = " ".join(line.split())
+            words = _words(line)
             if len(words) >= MIN_LINE_CHARS:
-                yield hashlib.blake2b(words.encode(), digest_size=6).hexdigest()
+                hasher = empty.copy()
+                hasher.update(words.encode())
+                yield hasher.hexdigest()
 
 
 def line_digests(text: str) -> list[str]:

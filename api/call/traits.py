@@ -31,8 +31,8 @@ SUMMARY_REQUEST = re.compile(r"\b(create|write|provide) a (detailed |concise )?s
 CONTINUATION = "this session is being continued from a previous conversation"
 
 
-def _asks_for_summary(text: str) -> bool:
-    lowered = text.lower()
+def _asks_for_summary(lowered: str) -> bool:
+    """Whether a lower-cased message asks for the CLI's compaction summary."""
     at = lowered.find(SUMMARY_MARK)
     while at >= 0:
         if SUMMARY_REQUEST.search(lowered, max(0, at - 40), at + len(SUMMARY_MARK)):
@@ -66,6 +66,16 @@ def _texts(messages: list[Mapping[str, Any]], role: str, picks: slice) -> list[s
     never joined into strings on the call's path."""
     chosen = [m for m in messages if m.get("role") == role][picks]
     return [content_text(m.get("content")) for m in chosen]
+
+
+def _lowered(texts: list[str]) -> dict[int, str]:
+    """Each text lower-cased, by identity: a conversation's first user message is often its
+    last one too, and a whole 16k-token prompt is then lowered once, not twice."""
+    lowered: dict[int, str] = {}
+    for text in texts:
+        if id(text) not in lowered:
+            lowered[id(text)] = text.lower()
+    return lowered
 
 
 def _structured(body: Mapping[str, Any]) -> bool:
@@ -111,6 +121,7 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
         if isinstance(tool, Mapping)
     )
     system, subagent = _system_parts(systems[0] if systems else "")
+    lowered = _lowered(first_users + last_user)
     return {
         "system": _digest(system),
         "first_user": _digest(first_users[0] if first_users else ""),
@@ -118,8 +129,8 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
         "tools": _digest("\n".join(tools)),
         "n_tools": len(tools),
         "structured_output": _structured(body),
-        "summary_request": bool(last_user) and _asks_for_summary(last_user[0]),
-        "continuation": any(CONTINUATION in text.lower() for text in first_users),
+        "summary_request": bool(last_user) and _asks_for_summary(lowered[id(last_user[0])]),
+        "continuation": any(CONTINUATION in lowered[id(text)] for text in first_users),
         **_history(messages, first_users[0] if first_users else ""),
     }
 

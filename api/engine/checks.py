@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy
+import orjson
 
 from api.engine.generation import Generation, served, with_changes
 from capture.codec.packed import pack_ids
@@ -49,20 +50,19 @@ def checked_ids(
     """The ids packed little-endian uint32, or why one is no token; C-speed passes for the
     good case.
 
-    Packing to unsigned 32-bit refuses anything negative or beyond any vocabulary, and the
-    largest id is read off the packed buffer: 0.5 ms at 16k ids instead of 1.3 ms for a
-    Python-level ``min`` and ``max``. The type count keeps booleans out (they would pack).
-    The packed bytes are the codec's own form of the ids (``capture.codec.packed``).
+    Packing to unsigned 32-bit refuses anything that is not an integer, negative or beyond
+    any vocabulary; a boolean packs too, so ``_no_booleans`` keeps them out. The largest id
+    is read off the packed buffer: 0.5 ms at 16k ids less than a Python-level ``min`` and
+    ``max``. The packed bytes are the codec's own form of the ids (``capture.codec.packed``).
     """
-    if list(map(type, ids)).count(int) == len(ids):
-        try:
-            packed = pack_ids(ids)
-        except ValueError:
-            pass  # negative or 2**32 and beyond: the loop below names it
-        else:
-            largest = int(numpy.frombuffer(packed, dtype="<u4").max()) if ids else -1
-            if vocab_size is None or largest < vocab_size:
-                return packed, None
+    try:
+        packed: bytes | None = pack_ids(ids)
+    except (TypeError, ValueError):
+        packed = None  # not an integer, negative, or 2**32 and beyond: the loop below names it
+    if packed is not None and _no_booleans(ids):
+        largest = int(numpy.frombuffer(packed, dtype="<u4").max()) if ids else -1
+        if vocab_size is None or largest < vocab_size:
+            return packed, None
     for position, token_id in enumerate(ids):
         if type(token_id) is not int or token_id < 0:
             return None, f"{what} id {position} is {token_id!r}, not an integer >= 0"
@@ -74,6 +74,16 @@ def checked_ids(
         if token_id >= 2**32:
             return None, f"{what} id {position} is {token_id}, beyond any vocabulary (2**32)"
     return None, f"{what} ids could not be packed"  # not reached: the loop names the id
+
+
+def _no_booleans(ids: list[Any]) -> bool:
+    """Whether ids that packed as uint32 hold no boolean, in half the time of a type per id:
+    orjson writes an integer as digits alone and a boolean as ``true`` or ``false``, both
+    with an ``e`` (anything else it cannot write, such as a numpy integer, fails closed)."""
+    try:
+        return b"e" not in orjson.dumps(ids)
+    except TypeError:
+        return False
 
 
 def count_problem(what: str, count: int, usage: Mapping[str, Any], key: str) -> str | None:
