@@ -8,10 +8,12 @@ upstream URL carries a user and password.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -243,3 +245,31 @@ def test_a_worker_failing_after_the_parent_checks_fails_the_command(tmp_path: Pa
     )
     assert done.returncode != 0, done.stderr[-3000:]
     assert "failed to start" in done.stderr
+
+
+def test_an_idle_connection_is_kept_longer_than_clients_keep_theirs(
+    tmp_path: Path, redis_server_factory
+) -> None:
+    """A client idle 6 s on a kept-alive connection (aiohttp keeps one 15 s) sends its next
+    call on it: uvicorn's own 5 s would have closed it, and the call would be reset."""
+    redis = redis_server_factory(requirepass=REDIS_SECRET)
+    config = tmp_path / "serve.yaml"
+    config.write_text(REDIS_SERVE_CONFIG)
+    port = free_port()
+    env = {"TOKCAP_REDIS_URL": _redis_url(redis.port)}
+    with (
+        engine_server() as engine,
+        serving(_serve_args(config, port, engine), tmp_path / "log", env),
+    ):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            connection.request("GET", "/health")
+            assert connection.getresponse().read()
+            kept = connection.sock
+            time.sleep(6)
+            connection.request("GET", "/health")
+            reply = connection.getresponse()
+            assert reply.status == 200 and reply.read()
+            assert connection.sock is kept  # the same connection, still open
+        finally:
+            connection.close()

@@ -35,6 +35,11 @@ from capture.protocols import StartupCheck
 from tokcap.help import verb_main
 
 APP = "api.app:create_app_from_env"
+# An idle keep-alive connection is closed after this long. uvicorn's 5 s is shorter than
+# what clients keep an idle connection for (aiohttp 15 s), so under load a client sent its
+# next call on a connection the server was closing, and got a reset; a server should be the
+# side that waits longest (nginx keeps 75 s).
+IDLE_TIMEOUT_S = 75.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start without the engine probe (one short call that checks ids and log-probs; "
         "default: probe)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=IDLE_TIMEOUT_S,
+        metavar="S",
+        help="seconds an idle keep-alive connection is kept open (default %(default)g: longer "
+        "than clients keep theirs, so none sends a call on a connection being closed)",
     )
     # uvicorn's event loop and HTTP parser; auto takes uvloop and httptools (uvicorn[standard]).
     parser.add_argument(
@@ -242,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             loop=args.loop,
             http=args.http,
+            timeout_keep_alive=args.idle_timeout,
         )
         return serve(config)
 
