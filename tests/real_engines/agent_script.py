@@ -8,7 +8,9 @@ running ``ls`` where that is on offer); after a tool result, thinking and a
 final answer; otherwise thinking and a greeting (another one after an earlier reply, so a
 chat's turns differ). A prompt that holds ``FREE_MARK`` is not scripted at all. A prompt
 that holds ``SLOW_MARK`` asks the processor to hold its first
-step, as a long prefill under load would.
+step, as a long prefill under load would. Each scripted token is put just above the largest
+logit for a greedy request, so its log-prob stays a real value of the model's, and far above
+it for a request sampled at a temperature, so the engine cannot miss it (``lift``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import json
 IM_END = 151645  # <|im_end|>: sampled once the script is done
 TOOL_CALL = 151657  # <tool_call>: the system turn names it when tools are on offer
 TOOL_RESPONSE = 151665  # <tool_response>: a tool result in the prompt
-LIFT = 50.0  # how far above the largest logit the scripted token is put
+# How far above the largest logit the scripted token is put. A greedy request takes the
+# largest logit, so a margin picks it and its log-prob stays the model's own value (about -10
+# here, varying by position), which the tier compares position by position. A request sampled
+# at a temperature takes it only when it is all but certain: there the log-prob is ~0 whatever
+# the lift, as it is the log-prob of the distribution sampled from.
+GREEDY_MARGIN = 2.0
+SAMPLED_LIFT = 50.0
 SLOW_MARK = "[slow prefill]"
 SLOW_PREFILL_S = 3.0
 # A prompt that holds it is left to the random model: a long free run (a call a weight
@@ -67,3 +75,8 @@ def script_name(prompt: list[int], text: str) -> str:
 def target(script: list[int], step: int) -> int:
     """The id to sample at ``step`` of a script: its next id, then the end of the turn."""
     return script[step] if step < len(script) else IM_END
+
+
+def lift(greedy: bool) -> float:
+    """How far above the largest logit to put a scripted token (see ``GREEDY_MARGIN``)."""
+    return GREEDY_MARGIN if greedy else SAMPLED_LIFT

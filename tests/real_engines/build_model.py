@@ -42,8 +42,8 @@ def write_tokenizer(out: Path, tiktoken_file: str, added: list[list], pattern: s
 
 
 def write_weights(out: Path, moe: bool = False) -> None:
-    """Random bf16 weights; ``moe``: a Qwen3-MoE of the same shape, every layer routing each
-    position to ``MOE_TOP_K`` of ``MOE_EXPERTS`` experts."""
+    """Random bf16 weights; ``moe``: a Qwen3-MoE of the same shape with an untied output
+    head, every layer routing each position to ``MOE_TOP_K`` of ``MOE_EXPERTS`` experts."""
     torch.manual_seed(0)
     shape = {
         "vocab_size": VOCAB_ROWS,
@@ -60,8 +60,11 @@ def write_weights(out: Path, moe: bool = False) -> None:
     }
     if moe:
         experts = {"num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K}
+        # Its own output head, saved as lm_head.weight: SGLang 0.5.23's Qwen3-MoE ignores
+        # tie_word_embeddings, so a tied twin's head was never loaded and kept whatever its
+        # memory held (zeros: every logit equal; garbage: NaN log-probs).
         config = Qwen3MoeConfig(
-            **shape,
+            **{**shape, "tie_word_embeddings": False},
             **experts,
             moe_intermediate_size=64,
             decoder_sparse_step=1,

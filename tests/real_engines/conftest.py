@@ -234,16 +234,18 @@ def sglang_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_sglang(model: Path, *extra: str) -> Iterator[str]:
-    """An SGLang server on a free port for the ``with`` block; its base URL. The launcher
-    stops its scheduler and detokenizer when stopped; any it left are stopped after it."""
+def running_sglang(model: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """An SGLang server on a free port for the ``with`` block (``env`` added to its
+    environment); its base URL. The launcher stops its scheduler and detokenizer when
+    stopped; any it left are stopped after it."""
     port = free_port()
     command = sglang_command(ensure_sglang(), port, model, *extra)
     url = f"http://127.0.0.1:{port}"
     children: list[int] = []
+    environment = {**sglang_env(), **(env or {})}
     try:
         with run_process(
-            command, ready_url=url + "/health", env=sglang_env(), timeout=START_TIMEOUT_S
+            command, ready_url=url + "/health", env=environment, timeout=START_TIMEOUT_S
         ) as launcher:
             children = process_tree(launcher.pid)[1:]
             yield url

@@ -9,7 +9,8 @@ proxy adds ``agent_script.SGLANG_PROCESSOR`` (this class by reference) and an em
 them). Only when ``custom_params`` is a dict does SGLang hand the live request to the
 processor (``__req__``): its prompt ids and the ids sampled so far. The count of those is
 exact only with ``--disable-overlap-schedule`` (with overlap it lags a step and a token
-repeats).
+repeats). A scripted token is put just above the largest logit for a greedy request and far
+above it for a sampled one (``agent_script.lift``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from agent_script import FREE, LIFT, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, script_name, target
+from agent_script import FREE, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, lift, script_name, target
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 
@@ -44,5 +45,7 @@ class ScriptedTurns(CustomLogitProcessor):
             if script is None:  # once per request: its prompt does not change
                 script = request.scripted_ids = self._script(request)
             if script:  # a free run ([] ids) is the model's own
-                logits[row, target(script, len(request.output_ids))] = logits[row].max() + LIFT
+                # SGLang samples greedily at top_k 1 (temperature 0 is read as that).
+                margin = lift(greedy=request.sampling_params.top_k <= 1)
+                logits[row, target(script, len(request.output_ids))] = logits[row].max() + margin
         return logits

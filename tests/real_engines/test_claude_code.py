@@ -5,7 +5,8 @@ front end beside it (``tests.support.claude_code_driver``); the front end captur
 private Redis and a real ``tokcap worker`` rebuilds. The scripted turns answer the CLI's
 first call with thinking and a hermes tool call to its Bash tool (``ls``), which the CLI
 runs; the next call answers. Every delivered call must be exactly one of the engine's
-replies, ids and log-probs, in one chain.
+replies, ids and log-probs, in one chain. The front end runs on the compose file's config
+with greedy sampling pinned, so the log-probs are the model's own values (``log_probs``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.e2e.conftest import claude_cli, netns, redis_socket, worker, worker_delivery
 from tests.e2e.test_claude_code_e2e import FRONTEND_CONFIG, rebuild, run_driver, session_events
@@ -30,6 +32,8 @@ from tests.real_engines.conftest import (
     vllm_args,
     vllm_env,
 )
+from tests.real_engines.log_probs import assert_log_probs_vary
+from tests.real_engines.test_engines import PINNED
 from tests.support.claude_code import transcript_to_record
 
 __all__ = ["claude_cli", "netns", "redis_socket", "worker", "worker_delivery"]
@@ -41,6 +45,15 @@ CONTEXT = 40960
 def token_items(result: dict[str, Any]) -> list[dict[str, Any]]:
     output = result["response"]["output"]
     return [i for i in output if isinstance(i, dict) and i.get("generation_token_ids")]
+
+
+def greedy_config(folder: Path) -> Path:
+    """The compose file's front-end config with the tier's greedy sampling pinned."""
+    config = yaml.safe_load(FRONTEND_CONFIG.read_text())
+    config["model_server"]["sampling_overrides"] = PINNED
+    path = folder / "tokcap.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def engine_process(family: str) -> dict[str, Any]:
@@ -72,7 +85,7 @@ def test_the_claude_code_cli_is_captured_as_the_engine_sampled_it(
         "model": "claude-sonnet-4-5",
         "nonessential_traffic": False,
         "real_engine": {"family": family, **engine_process(family)},
-        "frontend_config": str(FRONTEND_CONFIG),
+        "frontend_config": str(greedy_config(tmp_path)),
         "frontend_env": {"TOKCAP_REDIS_URL": redis_socket, "TOKCAP_MODEL": "tiny-qwen3"},
         "claude_timeout": 400.0,
         "env_extra": {"API_TIMEOUT_MS": "600000"},
@@ -105,3 +118,4 @@ def test_the_claude_code_cli_is_captured_as_the_engine_sampled_it(
             and s["logprobs"] == item["generation_log_probs"]
         ]
         assert len(matches) == 1, "a delivered call is exactly one of the engine's replies"
+        assert_log_probs_vary(item["generation_log_probs"], "a delivered call")

@@ -5,7 +5,9 @@ A recording proxy between the front end and the engine keeps the engine's own re
 stream as the whole it adds up to); every captured entry must equal one of them, ids and
 log-probs, and each call must have one. The scripted agent turns make the tiny random model
 answer like an agent, so each engine's reasoning parser, hermes tool parser and (vLLM) its
-stream all run. The checks that hold on both engines run on each (``engine``).
+stream all run. The calls are sampled greedily, each scripted token just above the largest
+logit, so the log-probs compared are the model's own, varying values (``log_probs``). The
+checks that hold on both engines run on each (``engine``).
 """
 
 from __future__ import annotations
@@ -24,18 +26,15 @@ from api.settings import ServerSettings
 from api.startup import probe
 from capture.config import TokenIdCaptureConfig
 from tests.real_engines.conftest import RealEngine
+from tests.real_engines.log_probs import assert_captured_as_sampled
 from tests.real_engines.recording_proxy import recording_proxy
-from tests.support.frontend import (
-    assert_entries_equal_ground_truth,
-    assert_one_contiguous_chain,
-    finalize,
-    freeze,
-    front_end,
-)
+from tests.support.frontend import assert_one_contiguous_chain, finalize, freeze, front_end
 
 # The first test may install an engine and start it cold: minutes, not the default 300 s.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
-PINNED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+# Greedy: the scripted token is then put just above the largest logit, so each captured
+# log-prob is the model's own value at its position, which the checks compare.
+PINNED = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 TOOL = {
     "name": "list_files",
     "description": "List the files in a directory.",
@@ -45,8 +44,11 @@ ASK = "List the files here."
 
 
 def settings(upstream: str, store: Path, **server: Any) -> ServerSettings:
+    """The front end's settings for the tier: file store, ``PINNED`` sampling unless
+    ``server`` pins its own."""
     capture = TokenIdCaptureConfig(enabled=True, dir=str(store))
-    return ServerSettings(upstream=upstream, capture=capture, sampling_overrides=PINNED, **server)
+    server.setdefault("sampling_overrides", PINNED)
+    return ServerSettings(upstream=upstream, capture=capture, **server)
 
 
 def base(front: str, rollout: str) -> str:
@@ -111,7 +113,7 @@ def test_an_anthropic_tool_loop_is_captured_as_the_engine_sampled_it(
     assert second.content[-1].text.strip() == "The directory holds a.txt."
     snapshot = freeze(tmp_path, "loop-1")
     assert not snapshot.incomplete
-    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    assert_captured_as_sampled(snapshot, proxy.sampled)
     record, build = finalize(tmp_path, "loop-1", answer(second))
     assert_one_contiguous_chain(build, record, 2)
     assert proxy.paths.count("/v1/chat/completions") == 2
@@ -142,7 +144,7 @@ def test_openai_chat_and_responses_calls_are_captured_as_the_engine_sampled_them
     )
     snapshot = freeze(tmp_path, "sdk-1")
     assert not snapshot.incomplete
-    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    assert_captured_as_sampled(snapshot, proxy.sampled)
 
 
 TOKEN_IN_PATHS = {"vllm": "/v1/completions", "sglang": "/generate"}
@@ -162,7 +164,7 @@ def test_faithful_prompts_keep_a_tool_loop_one_chain(engine: RealEngine, tmp_pat
     assert proxy.paths.count(TOKEN_IN_PATHS[engine.family]) == 2
     snapshot = freeze(tmp_path, "faithful-1")
     assert not snapshot.incomplete
-    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    assert_captured_as_sampled(snapshot, proxy.sampled)
     record, build = finalize(tmp_path, "faithful-1", answer(replies[1]))
     assert_one_contiguous_chain(build, record, 2)
 
@@ -179,7 +181,7 @@ def test_a_streamed_call_is_relayed_from_vllms_own_stream(vllm: str, tmp_path: P
             kinds = [event.type for event in events]
     assert kinds.count("content_block_delta") >= 2
     assert proxy.streams == 1, "the front end asked vLLM for a stream"
-    assert_entries_equal_ground_truth(freeze(tmp_path, "relay-1"), proxy.sampled)
+    assert_captured_as_sampled(freeze(tmp_path, "relay-1"), proxy.sampled)
 
 
 def test_the_tiny_models_tokenizer_is_the_real_qwen3_vocabulary(vllm_model: Path) -> None:
@@ -208,4 +210,4 @@ def test_a_stream_is_kept_alive_while_the_engine_prefills(
     assert names[0] == "message_start" and names[:first_delta].count("ping") >= 3
     assert names[-1] == "message_stop"
     assert proxy.streams == (1 if engine.family == "vllm" else 0)
-    assert_entries_equal_ground_truth(freeze(tmp_path, "slow-1"), proxy.sampled)
+    assert_captured_as_sampled(freeze(tmp_path, "slow-1"), proxy.sampled)

@@ -17,9 +17,9 @@ import anthropic
 import pytest
 
 from tests.real_engines.conftest import RealEngine
+from tests.real_engines.log_probs import assert_captured_as_sampled
 from tests.real_engines.test_engines import answer, base, proxy_for, settings
 from tests.support.frontend import (
-    assert_entries_equal_ground_truth,
     assert_one_contiguous_chain,
     finalize,
     freeze,
@@ -61,7 +61,7 @@ def test_text_modes_split_is_reported_and_delivers_only_what_the_engine_sampled(
     assert replies[1].content[-1].text.strip() == "Hello again from the tiny model."
     snapshot = freeze(tmp_path, "split-1")
     assert not snapshot.incomplete
-    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    assert_captured_as_sampled(snapshot, proxy.sampled)
     first, second = sorted(proxy.sampled, key=lambda r: len(r["prompt_token_ids"]))
     sampled_first = first["prompt_token_ids"] + first["token_ids"]
     assert second["prompt_token_ids"][: len(sampled_first)] != sampled_first, (
@@ -93,6 +93,6 @@ def test_the_same_turns_through_faithful_prompts_are_one_chain(
         with front_end(faithful) as front:
             replies = two_user_turns(base(front, "split-2"))
     snapshot = freeze(tmp_path, "split-2")
-    assert_entries_equal_ground_truth(snapshot, proxy.sampled)
+    assert_captured_as_sampled(snapshot, proxy.sampled)
     record, build = finalize(tmp_path, "split-2", answer(replies[1]), "segments")
     assert_one_contiguous_chain(build, record, 2)

@@ -25,6 +25,7 @@ from capture.config import TokenIdCaptureConfig
 from capture.delivery import finalize_rollout_token_capture
 from tests.e2e.conftest import ROOT, redis_socket, worker, worker_delivery
 from tests.e2e.test_claude_code_e2e import rebuild
+from tests.real_engines.log_probs import assert_log_probs_vary
 from tests.real_engines.recording_proxy import recording_proxy
 from tests.real_engines.test_engines import PINNED, answer, anthropic_loop, base
 from tests.support.frontend import front_end
@@ -90,6 +91,7 @@ def test_the_worker_samples_inspect_and_report_on_vllm_rollouts(
         for carrier in carriers:  # each delivered call is one of vLLM's replies, exactly
             delivered = [carrier[k] for k in ("prompt_token_ids", "generation_token_ids")]
             assert (*map(list, delivered), carrier["generation_log_probs"]) in sampled
+            assert_log_probs_vary(carrier["generation_log_probs"], "a delivered call")
         last = carriers[-1]
         assert sample.n_calls == 2
         assert sample.input_ids == last["prompt_token_ids"] + last["generation_token_ids"]

@@ -23,14 +23,18 @@ import pytest
 
 from capture.records import version_spans
 from tests.real_engines.agent_script import FREE_MARK
+from tests.real_engines.log_probs import assert_log_probs_vary
 from tests.real_engines.recording_proxy import recording_proxy
-from tests.real_engines.test_engines import base, settings
+from tests.real_engines.test_engines import PINNED, base, settings
 from tests.support.frontend import finalize, freeze, front_end
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
 MAX_TOKENS = 3000  # a random model rarely ends sooner: the pause finds every call running
+# The free runs are the random model's own draws at temperature 1 (greedy, it could repeat
+# one token); their log-probs are its own, varying values.
+SAMPLED = {**PINNED, "temperature": 1.0}
 
 
 def _call(url: str, stream: bool, results: dict[str, Any], key: str) -> None:
@@ -71,7 +75,7 @@ def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
     results: dict[str, Any] = {}
     with (
         recording_proxy(vllm, "vllm") as proxy,
-        front_end(settings(proxy.url, tmp_path, **FAITHFUL)) as front,
+        front_end(settings(proxy.url, tmp_path, sampling_overrides=SAMPLED, **FAITHFUL)) as front,
     ):
         httpx.put(front + "/tokcap/policy_version", json={"version": "1"}).raise_for_status()
         threads = [
@@ -116,6 +120,7 @@ def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
             done = stop
         assert done == len(ids)
         assert entry.generation_log_probs == [lp for part in parts for lp in part["logprobs"]]
+        assert_log_probs_vary(entry.generation_log_probs, key)
         print(f"{key}: {len(ids)} ids, spans {spans}, ended {reply.stop_reason}")
         if len(spans) > 1:
             cut += 1
