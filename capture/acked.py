@@ -7,7 +7,7 @@ that apart from a conversation it seeded with turns the policy never sampled (fe
 examples, a resumed session), so the check rests on the capture alone: before each put,
 the entry is stamped with a name for this process and sink, and the count of the rollout's
 puts that sink has acknowledged to it so far. An entry stamped ``n`` proves that ``n`` entries stamped
-lower by the same process were stored; the rebuild (``capture.build.acked``) masks a
+lower by the same process were stored; the rebuild (``capture.build.lost_calls``) masks a
 rollout where fewer are there. Only acknowledged puts count, so a put that failed, a call
 answered 503 or a hang-up never looks like a loss.
 

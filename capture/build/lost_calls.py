@@ -12,7 +12,6 @@ end) are not held against the rollout.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -30,11 +29,11 @@ def lost_calls(entries: Iterable[TokenEntry]) -> list[str]:
     reasons = []
     for worker, stamped in counts.items():
         stamped.sort()
-        # Entries stamped equal were in flight together: only those stamped lower are the
-        # evidence a stamp asks for.
-        short = [(c, bisect_left(stamped, c)) for c in set(stamped) if bisect_left(stamped, c) < c]
-        if short:
-            count, lower = min(short)
+        # Sorted, the first entry stamped ``count`` has ``lower`` entries stamped below it
+        # (equal stamps were in flight together and are no evidence for each other).
+        short = next(((count, lower) for lower, count in enumerate(stamped) if count > lower), None)
+        if short is not None:
+            count, lower = short
             reasons.append(
                 f"calls missing: front-end process {worker} had {count} of this rollout's "
                 f"calls stored before one it stored later, and {lower} of them are in the "
