@@ -68,7 +68,7 @@ async def serve_call(request: Request, dialect: Dialect) -> Response:
     head = dialect.reply_head(body)
     headers = {"x-tokcap-prompt": prompt.how} if prompt is not None else {}
     streamed = body.get("stream") is True
-    relayed = streamed and prompt is None and await front.engines.can_relay()
+    relayed = streamed and await front.engines.can_relay(token_in=prompt is not None)
     work = CallWork(current_call(), asyncio.Queue() if relayed else None)
     work.task = asyncio.ensure_future(
         run_call(work, front, dialect.NAME, chat_request, traits, prompt, head["id"])

@@ -27,6 +27,7 @@ from api.engine.client import UpstreamClient
 from api.engine.generation import Generation, UpstreamError, with_changes
 from api.engine.http import ROUTING_KEY
 from api.prompts.faithful import Prompt
+from api.prompts.relay import ParsedRelay
 from api.state import FrontEnd
 from api.types import Delta, ServedCall
 from capture.context import CallCapture, begin_call, current_call, resolve_unserved, void_call
@@ -97,9 +98,11 @@ async def _generate(
     """One sampled reply with the version that sampled it: the engine renders the chat
     request (text mode; relayed, each delta queued for the stream as it arrives), or
     continues the prompt's ids token-in and the reply is read from the sampled ids
-    (faithful mode). Each engine request goes out through ``WeightUpdates.sent``."""
+    (faithful mode; relayed, the settled parse of the ids so far queued as they come,
+    then the rest of the whole parse). Each engine request goes out through
+    ``WeightUpdates.sent``."""
     updates = front.updates
-    if work.deltas is not None:
+    if work.deltas is not None and prompt is None:
         generation, flight = await updates.sent(
             functools.partial(_relayed, client, chat_request, work), front.policy.now
         )
@@ -109,9 +112,13 @@ async def _generate(
             lambda _flight: client.chat(chat_request), front.policy.now
         )
         return stamped(refuse_cut(generation), flight.version)
-    generation = await _token_in(front, client, prompt, chat_request.get("model"))
     assert front.prompts is not None, "a faithful prompt was built by the front end's prompts"
-    return front.prompts.served(prompt, generation)
+    relay = ParsedRelay(front.prompts.renderer, prompt) if work.deltas is not None else None
+    generation = await _token_in(front, client, prompt, chat_request.get("model"), work, relay)
+    served = front.prompts.served(prompt, generation)
+    if relay is not None:
+        _queued(work, relay.rest(served.message))
+    return served
 
 
 async def _relayed(
@@ -132,11 +139,48 @@ async def _relayed(
     return generation
 
 
+def _queued(work: CallWork, delta: Delta) -> None:
+    """A relayed delta on its way to the stream (the first one opens it)."""
+    if delta and work.deltas is not None:
+        work.deltas.put_nowait(delta)
+        work.started.set()
+
+
+async def _relayed_ids(
+    upstream: UpstreamClient,
+    ids: list[int],
+    sampling: Mapping[str, Any],
+    model: Any,
+    work: CallWork,
+    relay: ParsedRelay,
+    flight: Flight,
+) -> Generation:
+    """A streamed token-in part: the parse of every id sampled so far (earlier parts' too)
+    queued for the stream as it settles (``api.prompts.relay``), then the generation."""
+    before = ids[len(relay.prompt.ids) :]  # what earlier parts sampled
+    generation = None
+    async for piece in upstream.complete_ids_relay(ids, sampling, model):
+        if isinstance(piece, Generation):
+            generation = piece
+            continue
+        flight.started = True  # the engine is sampling it: never sent again
+        if relay.due():
+            _queued(work, relay.advance(before + piece.sampled()))
+    assert generation is not None, "a streamed token-in call ends with its generation"
+    return generation
+
+
 async def _token_in(
-    front: FrontEnd, upstream: UpstreamClient, prompt: Prompt, model: Any
+    front: FrontEnd,
+    upstream: UpstreamClient,
+    prompt: Prompt,
+    model: Any,
+    work: CallWork,
+    relay: ParsedRelay | None,
 ) -> Generation:
     """A token-in call, continued where the engine cut it (``api.call.resume``); routes
-    are not stitched, so a call that captures them fails instead.
+    are not stitched, so a call that captures them fails instead. Relayed, each part
+    streams (``_relayed_ids``).
 
     Each part carries the version it was sent under, except a continuation of a part cut
     while this worker knew of no pause: someone else paused the engine, which held the
@@ -146,9 +190,12 @@ async def _token_in(
 
     async def complete(ids: list[int], sampling: Mapping[str, Any]) -> Generation:
         nonlocal external
-        generation, flight = await updates.sent(
-            lambda _flight: upstream.complete_ids(ids, sampling, model), front.policy.now
+        request = (
+            functools.partial(_relayed_ids, upstream, ids, sampling, model, work, relay)
+            if relay is not None
+            else lambda _flight: upstream.complete_ids(ids, sampling, model)
         )
+        generation, flight = await updates.sent(request, front.policy.now)
         trusted = not external
         external = is_cut(generation) and updates.pauses == flight.pauses and not updates.paused
         return stamped(generation, flight.version) if trusted else generation

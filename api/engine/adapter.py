@@ -65,6 +65,20 @@ class ChatStream(Protocol):
         ...
 
 
+class IdsStream(Protocol):
+    """A streamed token-in reply read event by event: the ids sampled so far (read when
+    asked, so an engine that resends everything per event is parsed only then), and the
+    whole reply it adds up to, checked as a non-streamed one is."""
+
+    def add(self, data: str) -> None: ...
+
+    def sampled(self) -> list[Any]: ...
+
+    def response(self) -> dict[str, Any]: ...
+
+    def unfinished(self) -> str | None: ...
+
+
 class EngineAdapter(Protocol):
     """One engine family's wire: its request bodies, how its replies are read and checked,
     what it is asked at the first call, and where its settings are fixed."""
@@ -119,6 +133,14 @@ class EngineAdapter(Protocol):
     def read_tokens(
         self, response: Mapping[str, Any], prompt_ids: list[int], vocab_size: int | None
     ) -> Generation: ...
+
+    def relays_ids(self) -> bool:
+        """Whether a token-in call can be streamed with every sampled id."""
+        ...
+
+    def tokens_stream(self, body: dict[str, Any]) -> IdsStream:
+        """``body`` (of ``tokens_body``) made a streamed call, and the reader of its stream."""
+        ...
 
     def read_routes(self, response: Mapping[str, Any], moe: Any) -> Routes | None: ...
 

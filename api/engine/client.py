@@ -25,10 +25,10 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from api import jsonbytes
 from api.engine import FAMILIES, detect, engine_family
-from api.engine.adapter import STREAM_PARAMS, EngineAdapter
+from api.engine.adapter import STREAM_PARAMS, EngineAdapter, IdsStream
 from api.engine.clamp import Clamp, after_refusal, clamped
 from api.engine.generation import Generation, UpstreamError, with_changes
-from api.engine.http import TRANSPORT_ERRORS, EngineHTTP, sse_data
+from api.engine.http import TRANSPORT_ERRORS, EngineHTTP, sse_chunk, sse_data
 from api.engine.routes import with_routes
 from api.types import Delta
 
@@ -88,19 +88,6 @@ def _refusal(status: int, content: bytes) -> UpstreamError:
         f"upstream: {_error_message(status, content)}",
         engine_down=status >= 500,
     )
-
-
-def _chunk(data: str) -> Any:
-    """One stream chunk; an error object the engine sent mid-stream ends the call (502)."""
-    try:
-        chunk = jsonbytes.loads(data)
-    except ValueError as exc:
-        raise UpstreamError(502, "upstream sent a stream chunk that is not JSON") from exc
-    if isinstance(chunk, Mapping) and chunk.get("error"):
-        error = chunk["error"]
-        message = error.get("message") if isinstance(error, Mapping) else error
-        raise UpstreamError(502, f"upstream stream failed: {message}")
-    return chunk
 
 
 class UpstreamClient:
@@ -241,12 +228,15 @@ class UpstreamClient:
             # Any answer settles it; an engine not up yet is asked again at the next call.
             self._learned = status != 0
 
-    async def can_relay(self) -> bool:
+    async def can_relay(self, token_in: bool = False) -> bool:
         """Whether a streamed call can be relayed as the engine samples it: an engine whose
-        chat stream carries every chunk's ids (``EngineAdapter.relays``), unless routes are
-        captured (no chat stream carries them)."""
+        chat stream (``token_in``: token-in stream) carries every chunk's ids
+        (``EngineAdapter.relays``, ``relays_ids``), unless routes are captured (no stream
+        carries them)."""
         await self.learn()
-        return not self.routed_experts and self.adapter.relays()
+        if self.routed_experts:
+            return False
+        return self.adapter.relays_ids() if token_in else self.adapter.relays()
 
     def _routed(self, generation: Generation, response: Mapping[str, Any]) -> Generation:
         """The generation with its checked routes, where routes are captured."""
@@ -284,22 +274,10 @@ class UpstreamClient:
         body.update(STREAM_PARAMS)
         stream = adapter.chat_stream()
         async with self._opened_stream(adapter.chat_path, body, clamp) as (reply, clamp):
-            try:
-                async for line in reply.content:
-                    data = sse_data(line)
-                    if data is None:
-                        continue
-                    if data == "[DONE]":
-                        break
-                    delta = stream.add(_chunk(data))
-                    if delta:
-                        yield delta
-            except TRANSPORT_ERRORS as exc:
-                raise UpstreamError(
-                    502,
-                    f"upstream {self.where} stream broke off: {type(exc).__name__}",
-                    engine_down=True,
-                ) from exc
+            async for data in self._events(reply):
+                delta = stream.add(sse_chunk(data))
+                if delta:
+                    yield delta
         generation = adapter.read_chat(stream.response(), overridden, self.vocab_size)
         problem = stream.unfinished()
         if problem is not None:
@@ -358,25 +336,67 @@ class UpstreamClient:
     async def complete_ids(
         self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any = None
     ) -> Generation:
-        """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked.
+        """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked."""
+        path, body, clamp = await self._tokens_request(prompt_ids, sampling, model)
+        response = await self.post(path, body)
+        return self._tokens_generation(response, prompt_ids, clamp)
+
+    async def complete_ids_relay(
+        self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any = None
+    ) -> AsyncIterator[IdsStream | Generation]:
+        """A streamed token-in call: its stream after each event (``IdsStream.sampled``
+        reads the ids so far), then the whole generation, checked as a whole reply is."""
+        path, body, clamp = await self._tokens_request(prompt_ids, sampling, model)
+        stream = self.adapter.tokens_stream(body)
+        async with self._opened_stream(path, body, clamp) as (reply, clamp):
+            async for data in self._events(reply):
+                stream.add(data)
+                yield stream
+        generation = self._tokens_generation(stream.response(), prompt_ids, clamp)
+        problem = stream.unfinished()
+        yield generation if problem is None else with_changes(generation, ids_problem=problem)
+
+    async def _events(self, reply: Any) -> AsyncIterator[str]:
+        """The data of each event of an engine's stream, until ``[DONE]``."""
+        try:
+            async for line in reply.content:
+                data = sse_data(line)
+                if data == "[DONE]":
+                    return
+                if data is not None:
+                    yield data
+        except TRANSPORT_ERRORS as exc:
+            raise UpstreamError(
+                502,
+                f"upstream {self.where} stream broke off: {type(exc).__name__}",
+                engine_down=True,
+            ) from exc
+
+    async def _tokens_request(
+        self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any
+    ) -> tuple[str, dict[str, Any], Clamp | None]:
+        """A token-in call's path, body and clamp.
 
         ``max_tokens`` is lowered at once to the room ``max_model_len`` leaves (the prompt's
         length is known here, so no refusal has to name it), and is that room when the
         request names none, as a chat call's would be.
         """
         name = await self.model_name(model)
-        adapter = self.adapter
         params = {**sampling, **self.sampling_overrides}
         if params.get("max_tokens") is None and self.max_model_len is not None:
             # A chat call without max_tokens may fill the context; a token-in call would
             # stop at the route's own default (vLLM completions: 16, SGLang /generate: 128).
             params["max_tokens"] = max(self.max_model_len - len(prompt_ids), 1)
         clamp = clamped(params, self.max_model_len, len(prompt_ids))
-        path, body = adapter.tokens_body(prompt_ids, name, params)
+        path, body = self.adapter.tokens_body(prompt_ids, name, params)
         if self.routed_experts:
-            body.update(adapter.routes_request)
-        response = await self.post(path, body)
-        generation = adapter.read_tokens(response, prompt_ids, self.vocab_size)
+            body.update(self.adapter.routes_request)
+        return path, body, clamp
+
+    def _tokens_generation(
+        self, response: Mapping[str, Any], prompt_ids: list[int], clamp: Clamp | None
+    ) -> Generation:
+        generation = self.adapter.read_tokens(response, prompt_ids, self.vocab_size)
         generation = self._routed(generation, response)
         return with_changes(
             generation,

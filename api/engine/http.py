@@ -11,12 +11,16 @@ directly, never through a proxy from the environment.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import aiohttp
 from yarl import URL
+
+from api import jsonbytes
+from api.engine.generation import UpstreamError
 
 JSON_HEADERS = {"content-type": "application/json"}
 # The rollout of the call being served (set by ``api.call.work``), sent as the affinity key
@@ -129,3 +133,16 @@ def sse_data(line: bytes) -> str | None:
     if not text.startswith("data:"):
         return None
     return text[len("data:") :].strip()
+
+
+def sse_chunk(data: str) -> Any:
+    """One stream chunk; an error object the engine sent mid-stream ends the call (502)."""
+    try:
+        chunk = jsonbytes.loads(data)
+    except ValueError as exc:
+        raise UpstreamError(502, "upstream sent a stream chunk that is not JSON") from exc
+    if isinstance(chunk, Mapping) and chunk.get("error"):
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, Mapping) else error
+        raise UpstreamError(502, f"upstream stream failed: {message}")
+    return chunk

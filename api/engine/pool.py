@@ -222,8 +222,8 @@ class EnginePool:
     async def models(self) -> list[dict[str, Any]]:
         return await self.first.models()
 
-    async def can_relay(self) -> bool:
-        return await self.first.can_relay()
+    async def can_relay(self, token_in: bool = False) -> bool:
+        return await self.first.can_relay(token_in)
 
     def report(self) -> list[dict[str, Any]]:
         """Each engine as ``/ready`` shows it."""

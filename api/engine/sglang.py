@@ -26,6 +26,7 @@ from api.engine.adapter import Ask, Command, Post
 from api.engine.checks import finish, logprob_problem, sent_prompt_check
 from api.engine.generation import Generation, reply_generation, with_changes
 from api.engine.routes import flat_routes
+from api.engine.sglang_stream import StreamedGenerate
 from capture.routes import Routes
 
 NAME = "sglang"
@@ -208,8 +209,8 @@ HINTS = {
 
 class SGLang:
     """The SGLang adapter (``api.engine.adapter.EngineAdapter``). Nothing learned at the
-    first call changes how it is spoken to, and its chat stream carries no ids, so a
-    streamed call is made whole."""
+    first call changes how it is spoken to. Its chat stream carries no ids, so a streamed
+    text-mode call is made whole; a token-in call (faithful prompts) streams its ids."""
 
     name = NAME
     chat_path = CHAT_PATH
@@ -229,6 +230,14 @@ class SGLang:
 
     def chat_stream(self) -> adapter.ChatStream:
         raise NotImplementedError("SGLang's chat stream carries no ids: calls are made whole")
+
+    def relays_ids(self) -> bool:
+        """``/generate`` streams carry every id (``api.engine.sglang_stream``)."""
+        return True
+
+    def tokens_stream(self, body: dict[str, Any]) -> StreamedGenerate:
+        body["stream"] = True
+        return StreamedGenerate()
 
     async def completed(
         self, generation: Generation, body: Mapping[str, Any], post: Post, vocab_size: int | None

@@ -32,7 +32,7 @@ from api.engine.generation import (
     reply_generation,
     with_changes,
 )
-from api.engine.vllm_stream import RELAY_SINCE, StreamedChat
+from api.engine.vllm_stream import RELAY_SINCE, StreamedChat, StreamedCompletion
 from capture.routes import Routes, routes_from_npy
 
 log = logging.getLogger(__name__)
@@ -279,6 +279,14 @@ class VLLM:
 
     def chat_stream(self) -> StreamedChat:
         return StreamedChat()
+
+    def relays_ids(self) -> bool:
+        """A release known to return ``token_ids`` (0.10.2 on) streams them per chunk."""
+        return self.legacy is False
+
+    def tokens_stream(self, body: dict[str, Any]) -> StreamedCompletion:
+        body.update(adapter.STREAM_PARAMS)
+        return StreamedCompletion()
 
     async def completed(
         self, generation: Generation, body: Mapping[str, Any], post: Post, vocab_size: int | None

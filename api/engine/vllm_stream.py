@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.engine.http import sse_chunk
 from api.ids import new_id
 from api.types import Delta
 
@@ -167,3 +168,90 @@ def _packed(ids: Any) -> Any:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
+
+
+@dataclass
+class StreamedCompletion:
+    """The chunks of one token-in stream (``/v1/completions``) so far, in the shape of the
+    whole reply ``vllm.read_tokens`` checks.
+
+    Followed: vLLM 0.32's ``completion_stream_generator`` (``serving_completion.py``) with
+    ``return_token_ids``: a choice's first chunk carries its ``prompt_token_ids``, every
+    chunk the ``token_ids`` and ``logprobs`` it adds, the last ``finish_reason`` and
+    ``stop_reason``; with ``stream_options.include_usage`` a final chunk the usage.
+    """
+
+    prompt_token_ids: Any = None
+    text: list[str] = field(default_factory=list)
+    token_ids: list[Any] = field(default_factory=list)
+    tokens: list[Any] = field(default_factory=list)
+    token_logprobs: list[Any] = field(default_factory=list)
+    finish_reason: Any = None
+    stop_reason: Any = None
+    usage: Any = None
+    problem: str | None = None
+
+    def add(self, data: str) -> None:
+        """Take one chunk (a broken one sets ``problem``: the ids cannot be trusted)."""
+        chunk = sse_chunk(data)
+        if not isinstance(chunk, Mapping):
+            self.problem = self.problem or "a stream chunk is not a JSON object"
+            return
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not choices:
+            return
+        choice = choices[0]
+        if not isinstance(choice, Mapping) or len(choices) > 1:
+            self.problem = self.problem or "a stream chunk holds other than one choice"
+            return
+        if choice.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = choice["prompt_token_ids"]
+        self.text.append(_text(choice.get("text")))
+        self._ids(choice.get("token_ids"), choice.get("logprobs"))
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.stop_reason = choice.get("stop_reason")
+
+    def _ids(self, ids: Any, logprobs: Any) -> None:
+        """A chunk's ids and their log-probs (a chunk that adds no id may carry none)."""
+        if not isinstance(ids, list):
+            self.problem = self.problem or "a stream chunk carries no token_ids"
+            return
+        if not ids and logprobs is None:
+            return
+        if not isinstance(logprobs, Mapping):
+            self.problem = self.problem or "a stream chunk's ids carry no log-probs"
+            return
+        tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+        if not isinstance(tokens, list) or not isinstance(values, list):
+            self.problem = self.problem or "a stream chunk's log-probs are not lists"
+            return
+        self.token_ids.extend(ids)
+        self.tokens.extend(tokens)
+        self.token_logprobs.extend(values)
+
+    def sampled(self) -> list[Any]:
+        """The ids sampled so far (as the engine sent them: the checks come at the end)."""
+        return self.token_ids
+
+    def unfinished(self) -> str | None:
+        if self.problem is not None:
+            return self.problem
+        if not isinstance(self.usage, Mapping):
+            return "the stream ended without its usage chunk: its ids cannot be counted"
+        return None
+
+    def response(self) -> dict[str, Any]:
+        """What the stream added up to, as vLLM's whole completions reply."""
+        choice = {
+            "index": 0,
+            "text": "".join(self.text),
+            "logprobs": {"tokens": self.tokens, "token_logprobs": self.token_logprobs},
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+        }
+        return {"choices": [choice], "usage": self.usage}

@@ -4,8 +4,10 @@ The engine (vLLM wire, 0.12: every stream chunk carries its ids) takes ``FIRST_S
 first token and ``TOKEN_S`` per token after it. Through the front end, a streamed harness
 gets its first delta about when the engine sends it, not after the whole generation, and
 then the deltas one by one; the final event comes after the entry is durable, and the
-captured ids are exactly the engine's, in all three dialects. An engine whose stream lacks
-ids, and token-in calls, are not relayed: kept alive, then sent whole.
+captured ids are exactly the engine's, in all three dialects. Token-in calls (faithful
+prompts) are relayed from the engine's token-in stream (vLLM and SGLang), each delta the
+settled parse of the ids so far. A text-mode call on an engine whose chat stream lacks ids
+is not relayed: kept alive, then sent whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from api.prompts.renderer import build_renderer
 from tests.api.test_frontend_hangup import (
     metric,
     peek_entries,
@@ -154,27 +157,18 @@ def test_responses_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> N
     assert [e.generation_token_ids for e in entries] == [first["token_ids"], second["token_ids"]]
 
 
-def _keepalive_settings(case: str, engine: str, tmp_path: Path) -> Any:
-    if case == "faithful":
-        return settings(
-            engine, tmp_path, keepalive_s=0.3, prompts="faithful", renderer={"tokenizer": "qwen3"}
-        )
-    return settings(engine, tmp_path, keepalive_s=0.3)
-
-
-@pytest.mark.parametrize("case", ["older vllm", "sglang", "faithful"])
+@pytest.mark.parametrize("case", ["older vllm", "sglang"])
 def test_what_is_not_relayed_is_kept_alive_then_sent_whole(tmp_path: Path, case: str) -> None:
-    """An engine whose stream lacks ids (vLLM before 0.12, SGLang) and token-in calls are
-    not relayed: the stream opens and is kept alive while the engine works, then the reply
-    comes whole."""
+    """A text-mode call on an engine whose chat stream lacks ids (vLLM before 0.12, SGLang)
+    is not relayed: the stream opens and is kept alive while the engine works, then the
+    reply comes whole."""
     engine_kw: dict[str, Any] = {
         "older vllm": {"vllm_version": "0.11.0"},
         "sglang": {"wire": "sglang"},
-        "faithful": {"tokenizer_path": "qwen3"},
     }[case]
     with (
         engine_server(first_token_s=1.2, **engine_kw) as engine,
-        front_end(_keepalive_settings(case, engine, tmp_path)) as front,
+        front_end(settings(engine, tmp_path, keepalive_s=0.3)) as front,
     ):
         request = {"model": "m", "max_tokens": 300, "messages": ASK, "stream": True}
         url = base(front, "whole-1") + "/v1/messages"
@@ -187,3 +181,46 @@ def test_what_is_not_relayed_is_kept_alive_then_sent_whole(tmp_path: Path, case:
     assert lines[-2] == "event: message_stop"
     (entry,) = run(peek_entries(tmp_path, "whole-1"))
     assert entry.generation_token_ids == truth["token_ids"]
+
+
+BASH = {
+    "name": "Bash",
+    "description": "Run a shell command",
+    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+}
+
+
+@pytest.mark.parametrize("wire", ["vllm", "sglang"])
+def test_a_faithful_reply_is_relayed_as_the_parse_of_its_ids(tmp_path: Path, wire: str) -> None:
+    """Token-in calls stream: thinking, then text, go out as the engine samples them, the
+    tool call once the reply is whole, and what the harness assembles is exactly the
+    renderer's parse of the ids the engine sampled (its ground truth) and the entry holds."""
+    faithful = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
+    with (
+        paced(tokenizer_path="qwen3", wire=wire) as engine,
+        front_end(settings(engine, tmp_path, keepalive_s=5.0, **faithful)) as front,
+    ):
+        client = anthropic.Anthropic(base_url=base(front, "relay-f"), api_key="x", max_retries=0)
+        started = time.monotonic()
+        kinds: list[tuple[float, str]] = []
+        request = {"model": "m", "max_tokens": 300, "messages": ASK, "tools": [BASH]}
+        with client.messages.stream(**request) as events:
+            for event in events:
+                if event.type == "content_block_delta":
+                    kinds.append((time.monotonic() - started, event.delta.type))
+            message = events.get_final_message()
+        total = time.monotonic() - started
+        (truth,) = ground_truth(engine)
+    parsed = build_renderer("qwen3", "qwen3").parse_response(truth["token_ids"])
+    thinking, text, tool = message.content
+    assert thinking.thinking == parsed.reasoning_content and text.text == parsed.content
+    (call,) = parsed.tool_calls
+    assert (tool.name, tool.input) == (call.name, call.arguments)
+    assert kinds[0][0] < FIRST_S + 0.5 < total, "the first delta as the engine sent it"
+    order = [kind for _, kind in kinds]
+    assert order.index("text_delta") > order.count("thinking_delta") - 1, "thinking, then text"
+    assert order.count("thinking_delta") + order.count("text_delta") > 5, "not sent whole"
+    assert order[-1] == "input_json_delta" and kinds[-1][0] > kinds[0][0] + 1.0
+    (entry,) = run(peek_entries(tmp_path, "relay-f"))
+    assert entry.generation_token_ids == truth["token_ids"]
+    assert entry.generation_log_probs == pytest.approx(truth["logprobs"])

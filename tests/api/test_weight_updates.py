@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from api.engine.pool import score
+from api.prompts.renderer import build_renderer
 from capture.records import VERSION_SPANS_FIELD, version_spans
 from capture.samples import training_samples
 from tests.support.frontend import (
@@ -139,6 +140,7 @@ def test_calls_cut_by_a_weight_update_are_continued_and_captured_whole(tmp_path:
             results = _join(running)
             truth = httpx.get(engine_url + "/tokcap/ground_truth").json()
             metrics = httpx.get(front + "/metrics").text
+    renderer = build_renderer("qwen3", "qwen3")
     for rollout in rollouts:
         reply = results[rollout]
         assert isinstance(reply, anthropic.types.Message), reply
@@ -146,6 +148,10 @@ def test_calls_cut_by_a_weight_update_are_continued_and_captured_whole(tmp_path:
         snapshot = freeze(tmp_path / "store", rollout)
         assert not snapshot.incomplete and len(snapshot.entries) == 1
         entry = snapshot.entries[0]
+        # What the harness was shown (relayed across the cut, for the streamed ones) is the
+        # parse of exactly the ids captured.
+        parsed = renderer.parse_response(list(entry.generation_token_ids))
+        assert [block.text for block in reply.content] == [parsed.content]
         parts = _truth_of(truth, list(entry.prompt_token_ids), list(entry.generation_token_ids))
         assert [p["finish_reason"] for p in parts[:-1]] == ["abort"] * (len(parts) - 1)
         assert parts[-1]["finish_reason"] != "abort" and len(parts) >= 2
