@@ -254,15 +254,21 @@ def routes_from_flat(data: str, layers: int, top_k: int, dtype: str = "<i4") -> 
 
 
 def routes_problem(
-    routes: Routes, prompt_len: int, generated: int, num_experts: int | None = None
+    routes: Routes,
+    prompt_len: int,
+    generated: int,
+    num_experts: int | None = None,
+    start: int = 0,
 ) -> str | None:
     """Why ``routes`` cannot be this call's, or None: one row per position the model read
-    (the prompt and every sampled token but the last), experts below ``num_experts``."""
-    expected = max(prompt_len + generated - 1, 0)
+    (the prompt and every sampled token but the last) from ``start`` on (the engine was
+    asked to leave out the positions before it), experts below ``num_experts``."""
+    expected = max(prompt_len + generated - 1 - start, 0)
     if routes.rows != expected:
+        after = f" from position {start}" if start else ""
         return (
             f"routed_experts has {routes.rows} rows for {prompt_len} prompt and "
-            f"{generated} generated tokens (expected {expected})"
+            f"{generated} generated tokens{after} (expected {expected})"
         )
     largest = routes.max_expert() if num_experts is not None else -1
     if num_experts is not None and largest >= num_experts:

@@ -27,6 +27,7 @@ from api.engine.client import UpstreamClient
 from api.engine.generation import Generation, UpstreamError, with_changes
 from api.engine.http import ROUTING_KEY
 from api.prompts.faithful import Prompt
+from api.prompts.route_prefix import chained, routes_start
 from api.state import FrontEnd
 from api.types import Delta, ServedCall
 from capture.context import CallCapture, begin_call, current_call, resolve_unserved, void_call
@@ -109,7 +110,9 @@ async def _generate(
             lambda _flight: client.chat(chat_request), front.policy.now
         )
         return stamped(refuse_cut(generation), flight.version)
-    generation = await _token_in(front, client, prompt, chat_request.get("model"))
+    start = routes_start(prompt.routes_prefix, client)
+    generation = await _token_in(front, client, prompt, chat_request.get("model"), start)
+    generation = await chained(generation, prompt.routes_prefix if start else None)
     assert front.prompts is not None, "a faithful prompt was built by the front end's prompts"
     return front.prompts.served(prompt, generation)
 
@@ -133,10 +136,11 @@ async def _relayed(
 
 
 async def _token_in(
-    front: FrontEnd, upstream: UpstreamClient, prompt: Prompt, model: Any
+    front: FrontEnd, upstream: UpstreamClient, prompt: Prompt, model: Any, routes_start: int = 0
 ) -> Generation:
     """A token-in call, continued where the engine cut it (``api.call.resume``); routes
-    are not stitched, so a call that captures them fails instead.
+    are not stitched, so a call that captures them fails instead. ``routes_start``: the
+    routes are asked for from that position on (``api.prompts.route_prefix``).
 
     Each part carries the version it was sent under, except a continuation of a part cut
     while this worker knew of no pause: someone else paused the engine, which held the
@@ -144,16 +148,16 @@ async def _token_in(
     updates = front.updates
     external = False  # the last part was cut by a pause this worker did not make
 
-    async def complete(ids: list[int], sampling: Mapping[str, Any]) -> Generation:
+    async def complete(ids: list[int], sampling: Mapping[str, Any], start: int = 0) -> Generation:
         nonlocal external
         generation, flight = await updates.sent(
-            lambda _flight: upstream.complete_ids(ids, sampling, model), front.policy.now
+            lambda _flight: upstream.complete_ids(ids, sampling, model, start), front.policy.now
         )
         trusted = not external
         external = is_cut(generation) and updates.pauses == flight.pauses and not updates.paused
         return stamped(generation, flight.version) if trusted else generation
 
-    generation = await complete(prompt.ids, prompt.sampling)
+    generation = await complete(prompt.ids, prompt.sampling, routes_start)
     if upstream.routed_experts or not front.settings.resume_cut_calls:
         return refuse_cut(generation)
     version_now = functools.partial(_version_now, front)

@@ -248,11 +248,17 @@ class UpstreamClient:
         await self.learn()
         return not self.routed_experts and self.adapter.relays()
 
-    def _routed(self, generation: Generation, response: Mapping[str, Any]) -> Generation:
+    def _routed(
+        self, generation: Generation, response: Mapping[str, Any], start: int = 0
+    ) -> Generation:
         """The generation with its checked routes, where routes are captured."""
         if not self.routed_experts:
             return generation
-        return with_routes(generation, response, self.adapter, self.moe)
+        return with_routes(generation, response, self.adapter, self.moe, start)
+
+    def routes_start_allowed(self) -> bool:
+        """Whether a token-in call may ask for the routes after a prompt position only."""
+        return self.routed_experts and self.adapter.routes_start_field is not None
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
         return UpstreamError(
@@ -356,9 +362,16 @@ class UpstreamClient:
         return self._routed(generation, response)
 
     async def complete_ids(
-        self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any = None
+        self,
+        prompt_ids: list[int],
+        sampling: Mapping[str, Any],
+        model: Any = None,
+        routes_start: int = 0,
     ) -> Generation:
         """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked.
+
+        ``routes_start``: where routes are captured, the engine is asked for the rows from
+        that prompt position on (``routes_start_allowed``; a stored prefix covers the rest).
 
         ``max_tokens`` is lowered at once to the room ``max_model_len`` leaves (the prompt's
         length is known here, so no refusal has to name it), and is that room when the
@@ -375,9 +388,12 @@ class UpstreamClient:
         path, body = adapter.tokens_body(prompt_ids, name, params)
         if self.routed_experts:
             body.update(adapter.routes_request)
+        routes_start = routes_start if self.routes_start_allowed() else 0
+        if routes_start:
+            body[adapter.routes_start_field] = routes_start
         response = await self.post(path, body)
         generation = adapter.read_tokens(response, prompt_ids, self.vocab_size)
-        generation = self._routed(generation, response)
+        generation = self._routed(generation, response, routes_start)
         return with_changes(
             generation,
             overridden_keys=tuple(sorted(self.sampling_overrides)),

@@ -46,9 +46,13 @@ def shape_problem(routes: Routes, moe: Any) -> str | None:
 
 
 def with_routes(
-    generation: Generation, response: Mapping[str, Any], adapter: Any, moe: Any
+    generation: Generation, response: Mapping[str, Any], adapter: Any, moe: Any, start: int = 0
 ) -> Generation:
-    """The generation with its checked routes, or voided with why they are unusable."""
+    """The generation with its checked routes, or voided with why they are unusable.
+
+    ``start``: the engine was asked for the rows from that position on. An engine that
+    ignored it (an older vLLM) sends every row; those are taken whole (``routes_start``
+    0), as they would have been without asking."""
     if generation.ids_problem is not None:
         return generation
     try:
@@ -60,9 +64,11 @@ def with_routes(
     prompt = generation.prompt_token_ids or []
     generated = generation.generation_token_ids or []
     experts = moe.experts if moe is not None else None
+    if start and routes.rows == len(prompt) + len(generated) - 1:
+        start = 0  # every row came: the engine does not know the field
     problem = shape_problem(routes, moe) or routes_problem(
-        routes, len(prompt), len(generated), experts
+        routes, len(prompt), len(generated), experts, start
     )
     if problem is not None:
         return with_changes(generation, ids_problem=problem)
-    return with_changes(generation, routed_experts=routes)
+    return with_changes(generation, routed_experts=routes, routes_start=start)

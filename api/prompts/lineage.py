@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from capture.context import current_call
 from capture.protocols import LineageSource
+from capture.routes import RouteChain
 
 log = logging.getLogger("tokcap.prompts")
 
@@ -32,6 +33,8 @@ class ContinuedCall:
     prompt_ids: list[int]
     completion_ids: list[int]
     found_in: str = "memory"  # "memory" (this worker served it) or "store"
+    # The blocks its routes are stored in, where known (``api.prompts.route_prefix``).
+    routes_chain: RouteChain | None = None
 
 
 @dataclass
@@ -39,7 +42,8 @@ class _Branch:
     """One growing sequence of a rollout; each call on it is a prefix (its two lengths)."""
 
     sequence: list[int]
-    calls: dict[str, tuple[str, int, int]]  # lineage key -> (call id, prompt end, end)
+    # lineage key -> (call id, prompt end, end, the blocks its routes are stored in)
+    calls: dict[str, tuple[str, int, int, RouteChain | None]]
 
 
 class LineageMemory:
@@ -62,6 +66,7 @@ class LineageMemory:
         model_call_id: str,
         prompt_ids: list[int],
         completion_ids: list[int],
+        routes_chain: RouteChain | None = None,
     ) -> None:
         branches = self._rollouts.setdefault(rollout_id, [])
         self._rollouts.move_to_end(rollout_id)
@@ -79,7 +84,7 @@ class LineageMemory:
         branch.sequence.extend(completion_ids)
         self._tokens += len(completion_ids)
         for key in keys:
-            branch.calls[key] = (model_call_id, len(prompt_ids), len(branch.sequence))
+            branch.calls[key] = (model_call_id, len(prompt_ids), len(branch.sequence), routes_chain)
         while self._tokens > self._budget and len(self._rollouts) > 1:
             _, dropped = self._rollouts.popitem(last=False)
             self._tokens -= sum(len(b.sequence) for b in dropped)
@@ -88,9 +93,10 @@ class LineageMemory:
         for branch in self._rollouts.get(rollout_id, ()):
             found = branch.calls.get(key)
             if found is not None:
-                call_id, prompt_end, end = found
+                call_id, prompt_end, end, chain = found
                 sequence = branch.sequence
-                return ContinuedCall(call_id, sequence[:prompt_end], sequence[prompt_end:end])
+                prompt, completion = sequence[:prompt_end], sequence[prompt_end:end]
+                return ContinuedCall(call_id, prompt, completion, routes_chain=chain)
         return None
 
 
@@ -131,7 +137,12 @@ async def find_continued(memory: LineageMemory, keys: Sequence[str]) -> Continue
             log.warning("lineage lookup failed (%s); rendering the prompt whole", exc)
             return None
         if entry is not None:
+            chain = getattr(entry.routed_experts, "chain", None)  # read from its blocks
             return ContinuedCall(
-                entry.model_call_id, entry.prompt_token_ids, entry.generation_token_ids, "store"
+                entry.model_call_id,
+                entry.prompt_token_ids,
+                entry.generation_token_ids,
+                "store",
+                chain,
             )
     return None
