@@ -191,28 +191,61 @@ def test_another_rollout_never_reuses_the_prefix(
 
 
 @contextlib.contextmanager
-def start_moved(engine: str, by: int) -> Iterator[str]:
-    """A real proxy that forwards every request, moving each token-in call's
-    ``routed_experts_prompt_start`` by ``by`` positions: an engine that applied another
-    start than it was asked for."""
+def forwarding(
+    targets: list[str], start_by: int = 0, hows: list[str] | None = None
+) -> Iterator[str]:
+    """A real proxy that forwards each request to the next of ``targets`` in turn, moving
+    each token-in call's ``routed_experts_prompt_start`` by ``start_by`` positions (an
+    engine that applied another start than it was asked for); ``hows`` collects how the
+    front ends made each prompt (their ``x-tokcap-prompt`` header)."""
     app = FastAPI()
+    turn = iter(range(1 << 30))
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, incoming: Request) -> Response:
         body = await incoming.body()
-        if path == "v1/completions":
+        if path == "v1/completions" and start_by:
             data = json.loads(body)
             if data.get("routed_experts_prompt_start"):
-                data["routed_experts_prompt_start"] += by
+                data["routed_experts_prompt_start"] += start_by
             body = json.dumps(data).encode()
+        headers = {
+            key: value
+            for key, value in incoming.headers.items()
+            if key not in ("host", "content-length")
+        }
+        url = f"{targets[next(turn) % len(targets)]}/{path}"
         async with httpx.AsyncClient(timeout=60) as client:
-            headers = {"content-type": incoming.headers.get("content-type", "application/json")}
-            url = f"{engine}/{path}"
             reply = await client.request(incoming.method, url, content=body, headers=headers)
-        return Response(reply.content, reply.status_code, media_type="application/json")
+        if hows is not None and "x-tokcap-prompt" in reply.headers:
+            hows.append(reply.headers["x-tokcap-prompt"])
+        kind = reply.headers.get("content-type", "application/json")
+        return Response(reply.content, reply.status_code, media_type=kind)
 
     with serve_app(app, ready_path="/health") as url:
         yield url
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_call_another_front_end_served_is_continued_from_the_store(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The harness's calls alternate between two front ends on one store: each finds the
+    call it continues in the store, whose routes name their blocks, and still asks the
+    engine only for the rows after them."""
+    sink = sink_of(kind, tmp_path, request)
+    rollout = Rollout(f"two-fronts-{kind}", 4)
+    hows: list[str] = []
+    with engine_server(wire="vllm", moe=MOE, tokenizer_path="qwen3") as engine:
+        with front_end(settings(engine, sink)) as one, front_end(settings(engine, sink)) as two:
+            with forwarding([one, two], hows=hows) as front:
+                drive(front, rollout)
+        truth = httpx.get(engine + "/tokcap/ground_truth").json()
+    assert hows[0] == "root" and set(hows[1:]) == {"continued:store"}, hows
+    assert [record["routes_start"] > 0 for record in truth] == [False] + [True] * (len(truth) - 1)
+    snapshot, record, build = rebuilt(sink, rollout)
+    assert_entries_equal_ground_truth(snapshot, truth)
+    assert_routes_are_the_engines(snapshot, record, build, len(truth))
 
 
 @pytest.mark.parametrize("kind", STORES)
@@ -224,7 +257,7 @@ def test_routes_from_another_start_than_asked_are_never_delivered(
     sink = sink_of(kind, tmp_path, request)
     rollout = Rollout(f"moved-{kind}", 3)
     with engine_server(wire="vllm", moe=MOE, tokenizer_path="qwen3") as engine:
-        with start_moved(engine, -BLOCK) as proxy, front_end(settings(proxy, sink)) as front:
+        with forwarding([engine], -BLOCK) as proxy, front_end(settings(proxy, sink)) as front:
             drive(front, rollout)
         truth = httpx.get(engine + "/tokcap/ground_truth").json()
     assert any(record["routes_start"] > 0 for record in truth)
