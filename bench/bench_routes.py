@@ -17,6 +17,11 @@ store, one only freezes and rebuilds, for a clean peak RSS):
   routes (vLLM's ``routed_experts_prompt_start``) and hands the store ``ChainedRoutes``, as
   the front end does; its CPU per put counts what the front end then does per call (the
   ids compared with the previous call's, the new rows cut into blocks) and the put.
+
+Measured (this 2-core machine, under a test run; one run, all variants, default flags):
+CPU per put p50 0.8 ms without routes, 64.7 ms with whole routes, 2.2 ms without the prefix
+(at the final 100k-token context: 1.6, 134.5 and 3.2 ms); bytes stored, freeze + rebuild and
+peak RSS are the same for whole routes and without the prefix (79.0 MB; 298-303 ms; 470 MB).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ where it names one, each expert below its ``experts``. A reply without them, or 
 that do not fit, is not captured: the call is lost and its rollout masked, never delivered
 with routes missing for part of it.
 
+A continued faithful call may ask for the rows after a stored prefix only (vLLM 0.32's
+``routed_experts_prompt_start``, ``api.prompts.route_prefix``): they are then checked from
+that position on.
+
 Where each engine puts them (the adapter reads its own): vLLM 0.32 per choice,
 ``routed_experts``, a base64 ``.npy`` (server flag ``--enable-return-routed-experts``);
 SGLang 0.5 in ``meta_info.routed_experts``, base64 of a flat int32 array (the same server
