@@ -91,10 +91,10 @@ def served(sink: tuple[str, dict], **renderer: Any) -> Iterator[tuple[str, str]]
             yield engine, front
 
 
-def drive(front: str, *rollouts: Rollout) -> None:
+def drive(front: str, *rollouts: Rollout, **options: Any) -> None:
     async def loops() -> None:
         async with harness_client(Tally()) as http:
-            await run_loops(front, list(rollouts), http, stream=False)
+            await run_loops(front, list(rollouts), http, stream=False, **options)
 
     asyncio.run(loops())
     for rollout in rollouts:
@@ -281,3 +281,29 @@ def test_a_prefix_ends_before_the_first_id_a_bridge_changed() -> None:
     changed[1] = 5
     assert prefix_for(chain, changed, previous) is None
     assert prefix_for(None, ids, previous) is None
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_prefix_the_store_no_longer_holds_loses_the_call(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rollout's stored data is deleted under a running loop: the front end still
+    remembers the call it continues and asks only for the new rows, the store refuses
+    routes that continue blocks it does not hold, and the call is lost (the harness is
+    answered all the same); the rollout is masked, never delivered with routes it lacks."""
+    sink = sink_of(kind, tmp_path, request)
+    rollout = Rollout(f"deleted-{kind}", 4)
+
+    async def delete_before_the_third(_: Rollout, turn: int) -> None:
+        if turn == 2:
+            async with opened(sink) as store:
+                await store.delete(rollout.rollout_id)
+
+    with served(sink) as (engine, front):
+        drive(front, rollout, before_turn=delete_before_the_third)
+        truth = httpx.get(engine + "/tokcap/ground_truth").json()
+    assert len(truth) >= 3 and truth[2]["routes_start"] > 0
+    assert "which the rollout does not hold" in caplog.text
+    snapshot, record, build = rebuilt(sink, rollout)
+    assert snapshot.incomplete and not snapshot.entries
+    assert build.masked and training_samples(record) == []
