@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capture.acked import ACKED
-from capture.errors import ConflictingEntryError, RolloutFrozenError
+from capture.errors import ConflictingEntryError, RolloutFrozenError, RoutesPrefixError
 from capture.extract import entry_from_response
 from capture.outage import Backoff, OutageOutlasted, retry_through_outage
 from capture.protocols import TokenSink
@@ -43,7 +43,7 @@ PUT_SHARE = 0.5
 # A failed write is tried again after 50 ms, doubling up to 1 s, until its deadline.
 _BACKOFF = Backoff(first_s=0.05, most_s=1.0)
 # Errors that say the write was decided, not that it failed to happen: never retried.
-_DECIDED = (RolloutFrozenError, ConflictingEntryError)
+_DECIDED = (RolloutFrozenError, ConflictingEntryError, RoutesPrefixError)
 
 
 @dataclass
@@ -227,6 +227,8 @@ async def _put(call: CallCapture, entry: TokenEntry, until: float) -> tuple[str 
         return f"put failed: {type(exc).__name__}: {exc}", False
     except ConflictingEntryError as exc:
         return f"put failed: {exc}", False  # the store marked the loss in the same write
+    except RoutesPrefixError as exc:
+        return f"put failed: {exc}", False  # the same entry would fail again: mark the loss
     if failed is not None:
         return f"put failed: {_describe(failed)}", True
     call.entry = entry

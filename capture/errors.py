@@ -46,3 +46,9 @@ class InvalidRolloutIdError(TokenCaptureError, ValueError):
 
 class ConfigError(TokenCaptureError, ValueError):
     """The token_id_capture configuration is invalid; raised at startup."""
+
+
+class RoutesPrefixError(TokenCaptureError):
+    """An entry's routes continue a stored prefix the store cannot use: the rollout does
+    not hold it, or it was cut at another block size. The call is lost, never stored with
+    routes the rollout does not hold."""

@@ -33,6 +33,20 @@ def reads_packed_ids(sink: Any) -> bool:
     return getattr(sink, "reads_packed_ids", False) is True
 
 
+def chained_routes_block_size(sink: Any) -> int | None:
+    """The block size at which ``sink`` takes routes that continue a stored prefix
+    (``capture.codec.route_blocks.ChainedRoutes``), or None when it does not take them.
+
+    tokcap's own stores say so (``reads_chained_routes = True`` and their ``block_size``):
+    they check the rollout holds the prefix before storing. Any other sink is handed whole
+    routes.
+    """
+    if getattr(sink, "reads_chained_routes", False) is not True:
+        return None
+    size = getattr(sink, "block_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
 @runtime_checkable
 class IntentSink(Protocol):
     """Optional extension: a durable intent recorded before the call is dispatched.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 
@@ -28,16 +28,43 @@ ITEM_BYTES = 2
 MAX_EXPERT = 2**16 - 1
 
 
+class RouteChain(NamedTuple):
+    """The names of the blocks a call's ``rows`` routes are stored in, first block first,
+    cut at ``block_size`` rows (``capture.codec.route_blocks``): what the next call of the
+    rollout names to reuse a whole-block prefix of them without hashing it again."""
+
+    names: tuple[str, ...]
+    block_size: int
+    rows: int
+
+    @property
+    def whole_blocks(self) -> int:
+        """The blocks a prefix may end at: all but a last partial one."""
+        return min(len(self.names), self.rows // self.block_size)
+
+
 class Routes:
-    """The routes of ``rows`` positions, ``layers`` x ``top_k`` uint16 experts each."""
+    """The routes of ``rows`` positions, ``layers`` x ``top_k`` uint16 experts each.
 
-    __slots__ = ("parts", "rows", "layers", "top_k")
+    ``chain``, where known, names the blocks they are stored in: routes read from a store
+    carry it, and so do routes the front end cut itself (``route_blocks.ChainedRoutes``).
+    """
 
-    def __init__(self, parts: Sequence[bytes], rows: int, layers: int, top_k: int) -> None:
+    __slots__ = ("parts", "rows", "layers", "top_k", "chain")
+
+    def __init__(
+        self,
+        parts: Sequence[bytes],
+        rows: int,
+        layers: int,
+        top_k: int,
+        chain: RouteChain | None = None,
+    ) -> None:
         if layers < 1 or top_k < 1 or rows < 0:
             raise ValueError(f"routes shape [{rows}, {layers}, {top_k}] is not valid")
         self.parts = tuple(parts)
         self.rows, self.layers, self.top_k = rows, layers, top_k
+        self.chain = chain
         held = sum(len(part) for part in self.parts)
         if held < rows * self.row_bytes:
             raise ValueError(f"routes hold {held} bytes, fewer than {rows} rows need")
@@ -227,15 +254,21 @@ def routes_from_flat(data: str, layers: int, top_k: int, dtype: str = "<i4") -> 
 
 
 def routes_problem(
-    routes: Routes, prompt_len: int, generated: int, num_experts: int | None = None
+    routes: Routes,
+    prompt_len: int,
+    generated: int,
+    num_experts: int | None = None,
+    start: int = 0,
 ) -> str | None:
     """Why ``routes`` cannot be this call's, or None: one row per position the model read
-    (the prompt and every sampled token but the last), experts below ``num_experts``."""
-    expected = max(prompt_len + generated - 1, 0)
+    (the prompt and every sampled token but the last) from ``start`` on (the engine was
+    asked to leave out the positions before it), experts below ``num_experts``."""
+    expected = max(prompt_len + generated - 1 - start, 0)
     if routes.rows != expected:
+        after = f" from position {start}" if start else ""
         return (
             f"routed_experts has {routes.rows} rows for {prompt_len} prompt and "
-            f"{generated} generated tokens (expected {expected})"
+            f"{generated} generated tokens{after} (expected {expected})"
         )
     largest = routes.max_expert() if num_experts is not None else -1
     if num_experts is not None and largest >= num_experts:

@@ -28,6 +28,7 @@ from api.engine.generation import Generation, UpstreamError, with_changes
 from api.engine.http import ROUTING_KEY
 from api.prompts.faithful import Prompt
 from api.prompts.relay import ParsedRelay
+from api.prompts.route_prefix import chained, routes_start
 from api.state import FrontEnd
 from api.types import Delta, ServedCall
 from capture.context import CallCapture, begin_call, current_call, resolve_unserved, void_call
@@ -114,7 +115,10 @@ async def _generate(
         return stamped(refuse_cut(generation), flight.version)
     assert front.prompts is not None, "a faithful prompt was built by the front end's prompts"
     relay = ParsedRelay(front.prompts.renderer, prompt) if work.deltas is not None else None
-    generation = await _token_in(front, client, prompt, chat_request.get("model"), work, relay)
+    start = routes_start(prompt.routes_prefix, client)
+    model = chat_request.get("model")
+    generation = await _token_in(front, client, prompt, model, work, relay, start)
+    generation = await chained(generation, prompt.routes_prefix if start else None)
     served = front.prompts.served(prompt, generation)
     if relay is not None:
         _queued(work, relay.rest(served.message))
@@ -177,10 +181,13 @@ async def _token_in(
     model: Any,
     work: CallWork,
     relay: ParsedRelay | None,
+    routes_start: int = 0,
 ) -> Generation:
     """A token-in call, continued where the engine cut it (``api.call.resume``); routes
     are not stitched, so a call that captures them fails instead. Relayed, each part
-    streams (``_relayed_ids``).
+    streams (``_relayed_ids``; never with routes, which no stream carries).
+    ``routes_start``: the routes are asked for from that position on
+    (``api.prompts.route_prefix``).
 
     Each part carries the version it was sent under, except a continuation of a part cut
     while this worker knew of no pause: someone else paused the engine, which held the
@@ -188,19 +195,19 @@ async def _token_in(
     updates = front.updates
     external = False  # the last part was cut by a pause this worker did not make
 
-    async def complete(ids: list[int], sampling: Mapping[str, Any]) -> Generation:
+    async def complete(ids: list[int], sampling: Mapping[str, Any], start: int = 0) -> Generation:
         nonlocal external
         request = (
             functools.partial(_relayed_ids, upstream, ids, sampling, model, work, relay)
             if relay is not None
-            else lambda _flight: upstream.complete_ids(ids, sampling, model)
+            else lambda _flight: upstream.complete_ids(ids, sampling, model, start)
         )
         generation, flight = await updates.sent(request, front.policy.now)
         trusted = not external
         external = is_cut(generation) and updates.pauses == flight.pauses and not updates.paused
         return stamped(generation, flight.version) if trusted else generation
 
-    generation = await complete(prompt.ids, prompt.sampling)
+    generation = await complete(prompt.ids, prompt.sampling, routes_start)
     if upstream.routed_experts or not front.settings.resume_cut_calls:
         return refuse_cut(generation)
     version_now = functools.partial(_version_now, front)

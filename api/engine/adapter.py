@@ -87,6 +87,9 @@ class EngineAdapter(Protocol):
     chat_path: str
     # What a request adds to get its routed experts back (``model_server.routed_experts``).
     routes_request: Mapping[str, Any]
+    # The request field that leaves a prompt's first positions out of the routes returned
+    # (vLLM 0.32's ``routed_experts_prompt_start``), or None where the engine has none.
+    routes_start_field: str | None
     # kind (``HINT_KINDS``) -> the engine setting that fixes that kind of problem.
     hints: Mapping[str, str]
 

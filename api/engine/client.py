@@ -238,11 +238,17 @@ class UpstreamClient:
             return False
         return self.adapter.relays_ids() if token_in else self.adapter.relays()
 
-    def _routed(self, generation: Generation, response: Mapping[str, Any]) -> Generation:
+    def _routed(
+        self, generation: Generation, response: Mapping[str, Any], start: int = 0
+    ) -> Generation:
         """The generation with its checked routes, where routes are captured."""
         if not self.routed_experts:
             return generation
-        return with_routes(generation, response, self.adapter, self.moe)
+        return with_routes(generation, response, self.adapter, self.moe, start)
+
+    def routes_start_allowed(self) -> bool:
+        """Whether a token-in call may ask for the routes after a prompt position only."""
+        return self.routed_experts and self.adapter.routes_start_field is not None
 
     def _unreachable(self, exc: BaseException) -> UpstreamError:
         return UpstreamError(
@@ -334,12 +340,23 @@ class UpstreamClient:
         return self._routed(generation, response)
 
     async def complete_ids(
-        self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any = None
+        self,
+        prompt_ids: list[int],
+        sampling: Mapping[str, Any],
+        model: Any = None,
+        routes_start: int = 0,
     ) -> Generation:
-        """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked."""
+        """A token-in call: the engine continues exactly ``prompt_ids``; the reply is checked.
+
+        ``routes_start``: where routes are captured, the engine is asked for the rows from
+        that prompt position on (``routes_start_allowed``; a stored prefix covers the rest).
+        """
         path, body, clamp = await self._tokens_request(prompt_ids, sampling, model)
+        start = routes_start if self.routes_start_allowed() else 0  # the engine is known now
+        if start:
+            body[self.adapter.routes_start_field] = start
         response = await self.post(path, body)
-        return self._tokens_generation(response, prompt_ids, clamp)
+        return self._tokens_generation(response, prompt_ids, clamp, start)
 
     async def complete_ids_relay(
         self, prompt_ids: list[int], sampling: Mapping[str, Any], model: Any = None
@@ -394,10 +411,14 @@ class UpstreamClient:
         return path, body, clamp
 
     def _tokens_generation(
-        self, response: Mapping[str, Any], prompt_ids: list[int], clamp: Clamp | None
+        self,
+        response: Mapping[str, Any],
+        prompt_ids: list[int],
+        clamp: Clamp | None,
+        routes_start: int = 0,
     ) -> Generation:
         generation = self.adapter.read_tokens(response, prompt_ids, self.vocab_size)
-        generation = self._routed(generation, response)
+        generation = self._routed(generation, response, routes_start)
         return with_changes(
             generation,
             overridden_keys=tuple(sorted(self.sampling_overrides)),

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from capture.codec.route_blocks import ChainedRoutes
 from capture.routes import Routes
 
 
@@ -48,7 +49,11 @@ class Generation:
     # The prompt ids packed (little-endian uint32) by their check, for the entry to carry.
     prompt_packed: bytes | None = None
     # MoE routes, checked against the ids (``api.engine.routes``), where they are captured.
-    routed_experts: Routes | None = None
+    # Faithful prompts hand the store them cut into blocks (``ChainedRoutes``).
+    routed_experts: Routes | ChainedRoutes | None = None
+    # The first position ``routed_experts`` covers: the engine was asked to leave out the
+    # rows of a prefix the rollout stored already (``api.prompts.route_prefix``).
+    routes_start: int = 0
     # The policy version the call ran under: the engine's report, else the trainer's at
     # dispatch (``api.call.policy``).
     policy_version: str | None = None

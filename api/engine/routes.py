@@ -6,6 +6,10 @@ where it names one, each expert below its ``experts``. A reply without them, or 
 that do not fit, is not captured: the call is lost and its rollout masked, never delivered
 with routes missing for part of it.
 
+A continued faithful call may ask for the rows after a stored prefix only (vLLM 0.32's
+``routed_experts_prompt_start``, ``api.prompts.route_prefix``): they are then checked from
+that position on.
+
 Where each engine puts them (the adapter reads its own): vLLM 0.32 per choice,
 ``routed_experts``, a base64 ``.npy`` (server flag ``--enable-return-routed-experts``);
 SGLang 0.5 in ``meta_info.routed_experts``, base64 of a flat int32 array (the same server
@@ -46,9 +50,13 @@ def shape_problem(routes: Routes, moe: Any) -> str | None:
 
 
 def with_routes(
-    generation: Generation, response: Mapping[str, Any], adapter: Any, moe: Any
+    generation: Generation, response: Mapping[str, Any], adapter: Any, moe: Any, start: int = 0
 ) -> Generation:
-    """The generation with its checked routes, or voided with why they are unusable."""
+    """The generation with its checked routes, or voided with why they are unusable.
+
+    ``start``: the engine was asked for the rows from that position on. An engine that
+    ignored it (an older vLLM) sends every row; those are taken whole (``routes_start``
+    0), as they would have been without asking."""
     if generation.ids_problem is not None:
         return generation
     try:
@@ -60,9 +68,11 @@ def with_routes(
     prompt = generation.prompt_token_ids or []
     generated = generation.generation_token_ids or []
     experts = moe.experts if moe is not None else None
+    if start and routes.rows == len(prompt) + len(generated) - 1:
+        start = 0  # every row came: the engine does not know the field
     problem = shape_problem(routes, moe) or routes_problem(
-        routes, len(prompt), len(generated), experts
+        routes, len(prompt), len(generated), experts, start
     )
     if problem is not None:
         return with_changes(generation, ids_problem=problem)
-    return with_changes(generation, routed_experts=routes)
+    return with_changes(generation, routed_experts=routes, routes_start=start)

@@ -215,6 +215,7 @@ class SGLang:
     name = NAME
     chat_path = CHAT_PATH
     routes_request = ROUTES_REQUEST
+    routes_start_field = None  # SGLang 0.5.23 returns every position's routes
     hints = HINTS
 
     async def learn(self, ask: Ask, where: str) -> None:

@@ -243,6 +243,9 @@ class VLLM:
     name = NAME
     chat_path = CHAT_PATH
     routes_request = ROUTES_REQUEST
+    # vLLM 0.32 ``SamplingParams.routed_experts_prompt_start`` (on its completion request):
+    # the routes cover positions [start, tokens - 1); 0 <= start <= the prompt's length.
+    routes_start_field = "routed_experts_prompt_start"
     hints = HINTS
 
     def __init__(self) -> None:

@@ -24,8 +24,11 @@ from api.engine.generation import Generation, with_changes
 from api.ids import new_id
 from api.prompts.canonical import Lineage, split_history
 from api.prompts.lineage import LineageMemory, find_continued
+from api.prompts.route_prefix import prefix_for
+from capture.codec.route_blocks import ChainedRoutes
 from capture.context import current_call
 from capture.lineage import FALLBACK_FIELD, LINEAGE_FIELD
+from capture.routes import RouteChain
 
 # Sampling fields of a chat request that a token-in call carries as they are.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
@@ -49,6 +52,8 @@ class Prompt:
     continued: str | None = None  # the call this prompt extends, if any
     found_in: str | None = None  # where that call was found: "memory" or "store"
     fallback: str | None = None  # why it was rendered whole despite an assistant turn
+    # The continued call's stored routes this call's ids share (``api.prompts.route_prefix``).
+    routes_prefix: RouteChain | None = None
 
     @property
     def how(self) -> str:
@@ -101,11 +106,14 @@ class FaithfulPrompts:
             bridged = None  # what the bridge cannot read, a whole render may (or refuses)
         if bridged is None:
             return replace(prompt, ids=self.render(messages, tools), fallback=BRIDGE_REFUSED)
+        ids = list(bridged.token_ids)
+        previous = [*found.prompt_ids, *found.completion_ids] if found.routes_chain else []
         return replace(
             prompt,
-            ids=list(bridged.token_ids),
+            ids=ids,
             continued=found.model_call_id,
             found_in=found.found_in,
+            routes_prefix=prefix_for(found.routes_chain, ids, previous),
         )
 
     def served(self, prompt: Prompt, generation: Generation) -> Generation:
@@ -117,7 +125,9 @@ class FaithfulPrompts:
         keys = prompt.lineage.with_reply(message).all_names()
         call = current_call()
         if call is not None:
-            self.memory.remember(call.rollout_id, keys, call.model_call_id, prompt.ids, ids)
+            routes = generation.routed_experts
+            chain = routes.chain if isinstance(routes, ChainedRoutes) else None
+            self.memory.remember(call.rollout_id, keys, call.model_call_id, prompt.ids, ids, chain)
         finish = generation.finish_reason
         if message.get("tool_calls") and finish in (None, "stop"):
             finish = "tool_calls"

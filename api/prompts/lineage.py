@@ -4,6 +4,9 @@ A worker remembers the calls it served last (their lineage keys and sampled sequ
 compact arrays, bounded by a token budget), so a rollout that keeps landing on one worker
 never waits on the store. A request for a call another worker or node served asks the sink
 (``capture.protocols.LineageSource``), where the keys ride on the call's entry.
+
+With routes captured, a call found either way names the blocks its routes are stored in
+(``ContinuedCall.routes_chain``), so the next call can ask for the rows it adds only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from capture.context import current_call
 from capture.protocols import LineageSource
+from capture.routes import RouteChain
 
 log = logging.getLogger("tokcap.prompts")
 
@@ -32,6 +36,8 @@ class ContinuedCall:
     prompt_ids: list[int]
     completion_ids: list[int]
     found_in: str = "memory"  # "memory" (this worker served it) or "store"
+    # The blocks its routes are stored in, where known (``api.prompts.route_prefix``).
+    routes_chain: RouteChain | None = None
 
 
 @dataclass
@@ -39,7 +45,8 @@ class _Branch:
     """One growing sequence of a rollout; each call on it is a prefix (its two lengths)."""
 
     sequence: list[int]
-    calls: dict[str, tuple[str, int, int]]  # lineage key -> (call id, prompt end, end)
+    # lineage key -> (call id, prompt end, end, the blocks its routes are stored in)
+    calls: dict[str, tuple[str, int, int, RouteChain | None]]
 
 
 class LineageMemory:
@@ -62,6 +69,7 @@ class LineageMemory:
         model_call_id: str,
         prompt_ids: list[int],
         completion_ids: list[int],
+        routes_chain: RouteChain | None = None,
     ) -> None:
         branches = self._rollouts.setdefault(rollout_id, [])
         self._rollouts.move_to_end(rollout_id)
@@ -79,7 +87,7 @@ class LineageMemory:
         branch.sequence.extend(completion_ids)
         self._tokens += len(completion_ids)
         for key in keys:
-            branch.calls[key] = (model_call_id, len(prompt_ids), len(branch.sequence))
+            branch.calls[key] = (model_call_id, len(prompt_ids), len(branch.sequence), routes_chain)
         while self._tokens > self._budget and len(self._rollouts) > 1:
             _, dropped = self._rollouts.popitem(last=False)
             self._tokens -= sum(len(b.sequence) for b in dropped)
@@ -88,9 +96,10 @@ class LineageMemory:
         for branch in self._rollouts.get(rollout_id, ()):
             found = branch.calls.get(key)
             if found is not None:
-                call_id, prompt_end, end = found
+                call_id, prompt_end, end, chain = found
                 sequence = branch.sequence
-                return ContinuedCall(call_id, sequence[:prompt_end], sequence[prompt_end:end])
+                prompt, completion = sequence[:prompt_end], sequence[prompt_end:end]
+                return ContinuedCall(call_id, prompt, completion, routes_chain=chain)
         return None
 
 
@@ -131,7 +140,12 @@ async def find_continued(memory: LineageMemory, keys: Sequence[str]) -> Continue
             log.warning("lineage lookup failed (%s); rendering the prompt whole", exc)
             return None
         if entry is not None:
+            chain = getattr(entry.routed_experts, "chain", None)  # read from its blocks
             return ContinuedCall(
-                entry.model_call_id, entry.prompt_token_ids, entry.generation_token_ids, "store"
+                entry.model_call_id,
+                entry.prompt_token_ids,
+                entry.generation_token_ids,
+                "store",
+                chain,
             )
     return None

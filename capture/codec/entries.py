@@ -43,7 +43,12 @@ from capture.codec.packed import (
     unpack_floats,
     unpack_ids,
 )
-from capture.codec.route_blocks import cut_routes, routes_from_blocks
+from capture.codec.route_blocks import (
+    ChainedRoutes,
+    cut_routes,
+    routes_digest,
+    routes_from_blocks,
+)
 from capture.codec.views import IdView
 from capture.records import SCHEMA_VERSION, TokenEntry
 from capture.routes import Routes
@@ -74,6 +79,9 @@ class EncodedEntry:
     block_size: int = DEFAULT_BLOCK_SIZE
     routes: tuple[Block, ...] = ()  # the routed experts' blocks (capture.codec.route_blocks)
     route_row_bytes: int = 0
+    # Blocks the rollout must hold already: the tip of a stored routes prefix the routes
+    # continue (``ChainedRoutes``); a store that lacks one refuses the put.
+    requires: tuple[str, ...] = ()
 
     @property
     def every_block(self) -> tuple[Block, ...]:
@@ -204,7 +212,8 @@ def encode_entry(
     entry = TokenEntry.coerce(entry)
     chain, generation_bytes = _sequence_chain(entry, block_size, memo)
     log_probs = pack_floats(entry.generation_log_probs)
-    routed = entry.routed_experts if isinstance(entry.routed_experts, Routes) else None
+    routed = entry.routed_experts
+    routed = routed if isinstance(routed, (Routes, ChainedRoutes)) else None
     # Extras kept; the id lists are not copied, and routes go into blocks of their own.
     fields = entry.model_dump(exclude=_PACKED | ({"routed_experts"} if routed else set()))
     prompt = entry.prompt_token_ids
@@ -218,15 +227,16 @@ def encode_entry(
         "log_probs": log_probs,
     }
     routes: list[Block] = []
+    requires: tuple[str, ...] = ()
     if routed is not None:
-        routes, data["routes"] = cut_routes(routed, block_size)
+        routes, data["routes"], requires = cut_routes(routed, block_size)
     body = msgpack.packb(data, use_bin_type=True)
     hasher = hashlib.blake2b(len(prompt).to_bytes(8, "little"), digest_size=DIGEST_BYTES)
     hasher.update(_sequence_digest(prompt, generation_bytes, chain, block_size))
     hasher.update(log_probs)
     hasher.update(_canonical_rest(fields))
     if routed is not None:
-        hasher.update(_routes_digest(routed, routes, block_size))
+        hasher.update(routes_digest(routed, data["routes"]["tip"], block_size, DEFAULT_BLOCK_SIZE))
     row_bytes = routed.row_bytes if routed is not None else 0
     return EncodedEntry(
         entry.model_call_id,
@@ -236,6 +246,7 @@ def encode_entry(
         block_size,
         tuple(routes),
         row_bytes,
+        requires,
     )
 
 
@@ -270,14 +281,6 @@ def _sequence_digest(
     else:
         canonical = cut(pack_ids(prompt) + generation_bytes, DEFAULT_BLOCK_SIZE)
     return canonical[-1].name.encode() if canonical else b"-"
-
-
-def _routes_digest(routes: Routes, chain: list[Block], block_size: int) -> bytes:
-    """The routes' part of a payload digest: their shape and tip at the default block size."""
-    if block_size != DEFAULT_BLOCK_SIZE:
-        chain = cut_routes(routes, DEFAULT_BLOCK_SIZE)[0]
-    shape = b"%d,%d,%d;" % routes.shape
-    return shape + (chain[-1].name.encode() if chain else b"-")
 
 
 def read_body(body: bytes) -> dict[str, Any]:

