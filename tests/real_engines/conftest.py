@@ -233,11 +233,27 @@ def sglang_env() -> dict[str, str]:
     return {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
 
 
+# SGLang servers kept across tests, by fixture name: their processes. SGLang's scheduler
+# polls a core while idle, which on two cores made every other test of the tier (the
+# Claude Code CLI's: 4x) wait; so each is stopped (SIGSTOP) while no running test uses it
+# (``sglang_only_while_used``).
+KEPT_SGLANG: dict[str, list[int]] = {}
+
+
+def _signal_all(pids: list[int], signum: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone already
+            os.kill(pid, signum)
+
+
 @contextlib.contextmanager
-def running_sglang(model: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
+def running_sglang(
+    model: Path, *extra: str, env: dict[str, str] | None = None, kept_as: str | None = None
+) -> Iterator[str]:
     """An SGLang server on a free port for the ``with`` block (``env`` added to its
-    environment); its base URL. The launcher stops its scheduler and detokenizer when
-    stopped; any it left are stopped after it."""
+    environment); its base URL. ``kept_as``: a fixture that outlives a test, stopped
+    while no test uses it. The launcher stops its scheduler and detokenizer when stopped;
+    any it left are stopped after it."""
     port = free_port()
     command = sglang_command(ensure_sglang(), port, model, *extra)
     url = f"http://127.0.0.1:{port}"
@@ -248,7 +264,12 @@ def running_sglang(model: Path, *extra: str, env: dict[str, str] | None = None) 
             command, ready_url=url + "/health", env=environment, timeout=START_TIMEOUT_S
         ) as launcher:
             children = process_tree(launcher.pid)[1:]
-            yield url
+            if kept_as is not None:
+                KEPT_SGLANG[kept_as] = [launcher.pid, *children]
+            try:
+                yield url
+            finally:  # running again, so that it can stop
+                _signal_all(KEPT_SGLANG.pop(kept_as, []), signal.SIGCONT)
     finally:
         for child in children:
             with contextlib.suppress(OSError):  # gone with the launcher, as it should be
@@ -259,8 +280,22 @@ def running_sglang(model: Path, *extra: str, env: dict[str, str] | None = None) 
 @pytest.fixture(scope="session")
 def sglang() -> Iterator[str]:
     """One SGLang server for the session; its base URL."""
-    with running_sglang(build_model(ensure_sglang())) as url:
+    with running_sglang(build_model(ensure_sglang()), kept_as="sglang") as url:
         yield url
+
+
+@pytest.fixture(autouse=True)
+def sglang_only_while_used(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The kept SGLang servers this test uses run (SIGCONT), the others are stopped
+    (SIGSTOP) for it; after it, all are stopped."""
+    params = getattr(request.node, "callspec", None)
+    engine = params.params.get("engine") if params is not None else None
+    for name, pids in KEPT_SGLANG.items():
+        used = name in request.fixturenames or engine == name
+        _signal_all(pids, signal.SIGCONT if used else signal.SIGSTOP)
+    yield
+    for pids in KEPT_SGLANG.values():
+        _signal_all(pids, signal.SIGSTOP)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ NEVER_WRITTEN = {"MALLOC_PERTURB_": "128"}
 @pytest.fixture(scope="module")
 def sglang_moe() -> Iterator[str]:
     model = build_model(ensure_sglang(), moe=True)
-    with running_sglang(model, "--enable-return-routed-experts", env=NEVER_WRITTEN) as url:
+    routes = "--enable-return-routed-experts"
+    with running_sglang(model, routes, env=NEVER_WRITTEN, kept_as="sglang_moe") as url:
         yield url
 
 

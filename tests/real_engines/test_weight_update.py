@@ -31,7 +31,9 @@ from tests.support.frontend import finalize, freeze, front_end
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
-MAX_TOKENS = 3000  # a random model rarely ends sooner: the pause finds every call running
+GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.]+)$", re.M)
+MAX_TOKENS = 4000  # a random model rarely ends sooner: the pause finds every call running
+SAMPLED_BEFORE_PAUSE = 64  # tokens each call has sampled, at least, when the pause comes
 # The free runs are the random model's own draws at temperature 1 (greedy, it could repeat
 # one token); their log-probs are its own, varying values.
 SAMPLED = {**PINNED, "temperature": 1.0}
@@ -54,18 +56,23 @@ def _call(url: str, stream: bool, results: dict[str, Any], key: str) -> None:
         results[key] = exc
 
 
-def _generating(vllm: str, calls: int) -> None:
-    """Wait until vLLM runs ``calls`` requests (its own gauge), then a little more, so that
-    each has sampled some tokens when the pause comes (a cold or busy server may take
-    seconds to prefill them)."""
+def _metric(vllm: str, pattern: re.Pattern[str]) -> float:
+    found = pattern.search(httpx.get(vllm + "/metrics").text)
+    return float(found.group(1)) if found else 0.0
+
+
+def _generating(vllm: str, calls: int, generated_before: float) -> None:
+    """Wait until vLLM runs ``calls`` requests and has sampled ``SAMPLED_BEFORE_PAUSE``
+    tokens a call since ``generated_before`` (its own gauge and counter): each call has
+    sampled some tokens and is far from its end when the pause comes, however fast or
+    busy the server (a cold one may take seconds to prefill)."""
     deadline = time.monotonic() + 300
-    while True:
-        found = RUNNING.search(httpx.get(vllm + "/metrics").text)
-        if found and float(found.group(1)) >= calls:
-            break
+    while (
+        _metric(vllm, RUNNING) < calls
+        or _metric(vllm, GENERATED) - generated_before < calls * SAMPLED_BEFORE_PAUSE
+    ):
         assert time.monotonic() < deadline, "vLLM never ran every call"
-        time.sleep(0.2)
-    time.sleep(2)
+        time.sleep(0.05)
 
 
 def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
@@ -82,9 +89,10 @@ def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
             threading.Thread(target=_call, args=(base(front, key), stream, results, key))
             for key, stream in rollouts.items()
         ]
+        generated_before = _metric(vllm, GENERATED)
         for thread in threads:
             thread.start()
-        _generating(vllm, len(rollouts))  # every call has sampled some tokens
+        _generating(vllm, len(rollouts), generated_before)  # each has sampled some tokens
         try:
             paused = httpx.post(front + "/tokcap/pause", json={"mode": "abort"}, timeout=60)
             assert paused.status_code == 200, paused.text
