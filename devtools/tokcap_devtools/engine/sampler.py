@@ -5,7 +5,8 @@ generated token carries a real log-probability under a proper distribution over 
 vocabulary: the one sampled from, after temperature, top-k and top-p (vLLM's
 ``processed_logprobs``), or the model's own before them (``raw_logprobs``). Where the policy
 leaves words free (the random policy's text), :meth:`PseudoModel.sample` draws them from
-the model under a grammar mask, with the request's seed.
+the model under a grammar mask, with the request's seed (over arrays: a mask of tens of
+thousands of words in about a millisecond, so a stream's other requests are not held up).
 
 The logits at one position are a fixed vector of ``V`` values (drawn once from a seeded
 Gaussian and sorted) laid onto the vocabulary by a permutation chosen by a hash of
@@ -23,6 +24,8 @@ import math
 import random
 import struct
 from dataclasses import dataclass
+
+import numpy
 
 CONTEXT_TAIL = 4
 LOGIT_SCALE = 2.0
@@ -44,6 +47,8 @@ class PseudoModel:
         self.vocab_size = vocab_size
         rng = random.Random(seed)
         self._base = sorted((rng.gauss(0.0, LOGIT_SCALE) for _ in range(vocab_size)), reverse=True)
+        self._base_array = numpy.asarray(self._base)
+        self._allowed: dict[int, tuple[list[int], numpy.ndarray]] = {}
         multiplier = 1_000_003
         while math.gcd(multiplier, vocab_size) != 1:
             multiplier += 2
@@ -103,30 +108,40 @@ class PseudoModel:
         offset, _ = self._position_hash(context, seed)
         greedy = temperature <= 0
         temp = 1.0 if greedy else temperature
-        logits = [(self._base[self._rank(t, offset)], t) for t in allowed]
-        best = max(value for value, _ in logits)
-        weights = sorted(((math.exp((v - best) / temp), t) for v, t in logits), reverse=True)
-        kept = weights if greedy else _kept(weights, top_p, top_k)
-        mass = sum(w for w, _ in kept)
-        chosen = kept[0][1] if greedy else _draw(kept, mass, rng)
+        tokens = self._tokens(allowed)
+        values = self._base_array[(tokens * self._mul + offset) % self.vocab_size]
+        order = numpy.argsort(-values, kind="stable")  # best first
+        tokens, values = tokens[order], values[order]
+        best = values[0]
+        weights = numpy.exp((values - best) / temp)
+        kept = 1 if greedy else _kept_count(weights, top_p, top_k)
+        cumulative = numpy.cumsum(weights[:kept])
+        mass = float(cumulative[-1])
+        index = 0 if greedy else _draw(cumulative, mass, rng)
         if raw:  # at temperature 1 these are the very weights, so both modes agree exactly
-            plain = weights
-            if temp != 1.0:
-                plain = sorted(((math.exp(v - best), t) for v, t in logits), reverse=True)
-            total = sum(w for w, _ in plain)
-            reported = {t: math.log(w / total) for w, t in plain}
+            plain = weights if temp == 1.0 else numpy.exp(values - best)
+            # Summed as the kept mass is (in order), so both modes agree to the last bit.
+            reported = numpy.log(plain / float(numpy.cumsum(plain)[-1]))
         else:
-            reported = {t: math.log(w / mass) for w, t in kept}
-        logprob = reported[chosen]
+            reported = numpy.full(len(weights), FLOOR)
+            reported[:kept] = numpy.log(weights[:kept] / mass)
+        logprob = float(reported[index])
         top: list[tuple[int, float]] = []
         if top_logprobs > 0:
-            top.append((chosen, logprob))
-            for _, token in weights:
+            top.append((int(tokens[index]), logprob))
+            for rank in range(len(tokens)):
                 if len(top) >= top_logprobs:
                     break
-                if token != chosen:
-                    top.append((token, max(reported.get(token, FLOOR), FLOOR)))
-        return Step(chosen, max(logprob, FLOOR), tuple(top))
+                if rank != index:
+                    top.append((int(tokens[rank]), max(float(reported[rank]), FLOOR)))
+        return Step(int(tokens[index]), max(logprob, FLOOR), tuple(top))
+
+    def _tokens(self, allowed: list[int]) -> numpy.ndarray:
+        """``allowed`` as an array, kept for the lists the engine passes every step."""
+        held = self._allowed.get(id(allowed))
+        if held is None or held[0] is not allowed:
+            held = self._allowed[id(allowed)] = (allowed, numpy.asarray(allowed, dtype=numpy.int64))
+        return held[1]
 
     def step(
         self,
@@ -185,29 +200,21 @@ def _warp(temperature: float, top_p: float, top_k: int, raw: bool) -> tuple[floa
     return temperature, (top_p if 0 < top_p < 1 else 1.0), max(top_k, 0)
 
 
-def _kept(weights: list[tuple[float, int]], top_p: float, top_k: int) -> list[tuple[float, int]]:
-    """What a sampler keeps of weights sorted best first: the top k, then the smallest head
-    holding ``top_p`` of their mass (vLLM's order: top-k, then top-p)."""
-    kept = weights[:top_k] if 0 < top_k < len(weights) else weights
+def _kept_count(weights: numpy.ndarray, top_p: float, top_k: int) -> int:
+    """How many of the weights sorted best first a sampler keeps: the top k, then the
+    smallest head holding ``top_p`` of their mass (vLLM's order: top-k, then top-p)."""
+    kept = top_k if 0 < top_k < len(weights) else len(weights)
     if 0 < top_p < 1:
-        target = top_p * sum(w for w, _ in kept)
-        cumulative = 0.0
-        for cut, (weight, _) in enumerate(kept, start=1):
-            cumulative += weight
-            if cumulative >= target:
-                return kept[:cut]
+        cumulative = numpy.cumsum(weights[:kept])
+        reached = int(numpy.searchsorted(cumulative, top_p * cumulative[-1], side="left"))
+        return min(reached + 1, kept)
     return kept
 
 
-def _draw(kept: list[tuple[float, int]], mass: float, rng: random.Random) -> int:
-    draw = rng.random() * mass
-    chosen = kept[0][1]
-    for weight, token in kept:
-        draw -= weight
-        chosen = token
-        if draw < 0:
-            break
-    return chosen
+def _draw(cumulative: numpy.ndarray, mass: float, rng: random.Random) -> int:
+    """The index a uniform draw below ``mass`` falls at, in the kept weights' running sums."""
+    index = int(numpy.searchsorted(cumulative, rng.random() * mass, side="right"))
+    return min(index, len(cumulative) - 1)
 
 
 @dataclass(frozen=True)
