@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from .chat_template import ChatTemplate, chat_template
+from .continuation import SampledReplies
 from .ground_truth import GroundTruthLog
 from .pacing import Pace
 from .pause import Pauses
@@ -94,6 +95,10 @@ class Generation:
     def logprobs(self) -> list[float]:
         return [step.logprob for step in self.steps]
 
+    def after(self, kept: int) -> Generation:
+        """Its tokens after the first ``kept``: what a request continuing them samples."""
+        return _span(self, kept)
+
     def cut(self, kept: int) -> Generation:
         """Its first ``kept`` tokens, as a request cut there is answered: finish reason
         ``abort``, the text so far parsed as a whole reply's is (a call cut open stays text)."""
@@ -118,6 +123,20 @@ class Generation:
         )
 
 
+def _span(generation: Generation, start: int, stop: int | None = None) -> Generation:
+    """Its tokens from ``start`` to ``stop``, their text parsed as a reply's."""
+    text = "".join(generation.deltas[start:stop])
+    return replace(
+        generation,
+        token_ids=generation.token_ids[start:stop],
+        steps=generation.steps[start:stop],
+        deltas=generation.deltas[start:stop],
+        text=text,
+        parsed=parse_reply(text, parse_tools=generation.parse_tools),
+        version_spans=[],
+    )
+
+
 class Engine:
     """Owns the tokenizer, pseudo-model, policy and ground-truth log of one server."""
 
@@ -137,6 +156,7 @@ class Engine:
         self.pauses = Pauses(self.pace, self.record, lambda: self.weight_version)
         self._calls = itertools.count()
         self._lock = threading.Lock()
+        self.sampled = SampledReplies()
 
     # -- prompts ------------------------------------------------------------------------
     def chat_prompt_ids(
@@ -221,8 +241,15 @@ class Engine:
         tool_choice: str | dict | None = None,
         parse_tools: bool = False,
     ) -> list[Generation]:
-        """Sample every choice (not yet recorded: the reply's fate decides what is)."""
+        """Sample every choice (not yet recorded: the reply's fate decides what is). A
+        prompt that ends inside a reply sampled before gets the rest of it
+        (``continuation``)."""
         max_tokens = self.check_length(len(prompt_ids), params.max_tokens)
+        rest = self.sampled.rest_of(prompt_ids) if n == 1 else None
+        if rest is not None:
+            if len(rest.token_ids) > max_tokens:
+                rest = replace(_span(rest, 0, max_tokens), finish_reason="length", stop_reason=None)
+            return [self._stamped(rest, prompt_ids)]
         base_seed = self._base_seed(params.seed)
         score_seed = params.seed if params.seed is not None else 0
         rngs = [random.Random(f"{base_seed}:{index}") for index in range(n)]
@@ -241,10 +268,16 @@ class Engine:
             gen.parse_tools = parse_tools
             if gen.parsed.tool_calls:
                 gen.finish_reason = "tool_calls"
-            gen.weight_version = self.weight_version
-            gen.version_spans = [[0, len(gen.token_ids), gen.weight_version]]
-            results.append(gen)
+            results.append(self._stamped(gen, prompt_ids))
         return results
+
+    def _stamped(self, gen: Generation, prompt_ids: list[int]) -> Generation:
+        """A choice as sampled now: this engine's version on it, and kept for a prompt
+        that goes on from inside it."""
+        gen.weight_version = self.weight_version
+        gen.version_spans = [[0, len(gen.token_ids), gen.weight_version]]
+        self.sampled.remember(prompt_ids, gen)
+        return gen
 
     def _run(
         self,
