@@ -111,11 +111,16 @@ def test_keep_alive_until_the_first_delta_then_the_deltas(tmp_path: Path) -> Non
     assert names[-1] == "message_stop"
 
 
-def test_a_harness_gone_mid_stream_cancels_its_engine_request(tmp_path: Path) -> None:
+FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
+
+
+@pytest.mark.parametrize("prompts", ["text", "faithful"])
+def test_a_harness_gone_mid_stream_cancels_its_engine_request(tmp_path: Path, prompts: str) -> None:
     """Gone 1 s into a relayed stream (deltas flowing): the engine aborts within 1 s."""
+    faithful = prompts == "faithful"
     with (
-        engine_server(first_token_s=0.2, token_s=0.2) as engine,
-        front_end(settings(engine, tmp_path)) as front,
+        engine_server(first_token_s=0.2, token_s=0.2, tokenizer_path="qwen3") as engine,
+        front_end(settings(engine, tmp_path, **(FAITHFUL if faithful else {}))) as front,
     ):
         received = send_and_hang_up(front, "relay-gone", True, after_s=1.0)
         aborted = wait_for(lambda: httpx.get(engine + "/tokcap/aborted", timeout=30).json())
@@ -195,10 +200,9 @@ def test_a_faithful_reply_is_relayed_as_the_parse_of_its_ids(tmp_path: Path, wir
     """Token-in calls stream: thinking, then text, go out as the engine samples them, the
     tool call once the reply is whole, and what the harness assembles is exactly the
     renderer's parse of the ids the engine sampled (its ground truth) and the entry holds."""
-    faithful = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
     with (
         paced(tokenizer_path="qwen3", wire=wire) as engine,
-        front_end(settings(engine, tmp_path, keepalive_s=5.0, **faithful)) as front,
+        front_end(settings(engine, tmp_path, keepalive_s=5.0, **FAITHFUL)) as front,
     ):
         client = anthropic.Anthropic(base_url=base(front, "relay-f"), api_key="x", max_retries=0)
         started = time.monotonic()
