@@ -231,14 +231,17 @@ def main(argv: list[str] | None = None) -> int:
                 json={"model": "tokcap-engine", "messages": direct_body["messages"]},
             ).json()["count"]
         # The servers have exited, so the probes have written their files.
-        found = [json.loads(probes[name].read_text()) for name in ("before", "this") if args.steps]
+        found = [
+            json.loads(probes[name].read_text())
+            for name in ("before", "this")
+            if args.steps and probes[name].exists()  # "before" only with a baseline
+        ]
     print(
         f"prompt {prompt_tokens} tokens, {args.calls} interleaved rounds, "
         f"max_tokens {args.max_tokens}, loop {args.loop}, http {args.http}"
     )
     print_latency(times, cpu, list(setups))
     if args.steps:
-        found = found[-len(setups) :]  # the baseline's file exists only with one
         print_steps(dict(zip(setups, found, strict=True)))
     print("target: captured - direct <= 2 ms p50")
     return 0
