@@ -5,7 +5,8 @@ update (pause in abort mode, new version, resume) every 1.5 s, judged against th
 ground truth (``tests.support.update_loops``). With cut calls continued, the harnesses see
 no error, no rollout is masked, no decoded token is thrown away and every delivered span
 names the version that sampled it; with continuation off, the same run shows what the
-updates cost: retryable errors, and the cut tokens thrown away.
+updates cost: retryable errors (in a stream already relayed, its error event), and the cut
+tokens thrown away.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ async def test_loops_through_weight_updates_lose_nothing(tmp_path: Path) -> None
     print(off.row("resume off"))
     for run in (on, off):
         assert run.outcome.critical == [], "\n".join(run.outcome.critical)
-        assert run.updates >= 2 and run.cut_records > 0  # the updates did cut calls
-        assert run.versions_wrong == 0
+        assert run.cut_records > 0 and run.versions_wrong == 0  # the updates did cut calls
+    # Off, a relayed stream that is cut ends with the dialect's error event, which the SDK
+    # does not retry: every loop may give up at the first update, ending the run.
+    assert on.updates >= 2 and off.updates >= 1
     assert on.outcome.statuses.keys() == {200} and on.outcome.failed_loops == 0
     assert on.outcome.masked == 0 and on.calls_continued > 0
     assert on.tokens_thrown_away == 0
