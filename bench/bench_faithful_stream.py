@@ -31,21 +31,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_faithful_latency import SCRIPT, TOOLS
+from bench.bench_faithful_latency import SCRIPT, TOOLS, front_end
 from tests.support.servers import free_port, run_process
 
 MODES = ("direct", "text", "faithful")
-CONFIG = """
-model_server:
-  model: tokcap-engine
-{prompts}
-env:
-  nemo_gym:
-    token_id_capture:
-      enabled: true
-      dir: {dir}
-"""
-FAITHFUL = "  prompts: faithful\n  renderer: {name: qwen3, tokenizer: qwen3}"
 
 
 @contextlib.contextmanager
@@ -61,24 +50,12 @@ def engine(tmp: Path, first_s: float, token_s: float) -> Iterator[str]:
         yield url
 
 
-@contextlib.contextmanager
-def front_end(mode: str, tmp: Path, upstream: str) -> Iterator[str]:
-    config = tmp / f"{mode}.yaml"
-    prompts = FAITHFUL if mode == "faithful" else ""
-    config.write_text(CONFIG.format(prompts=prompts, dir=tmp / f"captures-{mode}"))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokcap.commands.serve", "--config", str(config)]
-    cmd += ["--upstream", upstream, "--port", str(port), "--log-level", "warning"]
-    with run_process(cmd + ["--skip-probe"], ready_url=base + "/health"):
-        yield f"{base}/ng-rollout/bench-{mode}/training-token-capture"
-
-
 def streamed(client: httpx.Client, url: str, n: int, direct: bool) -> tuple[float, float]:
-    """(seconds to the first content, seconds to the end) of one streamed call."""
+    """(seconds to the first content, seconds to the end) of one streamed call: to the
+    engine's chat route (``direct``), else to a front end's Messages route ``url``."""
     ask = [{"role": "user", "content": f"List the files, call {n}."}]
     if direct:
-        path = "/v1/chat/completions"
+        url += "/v1/chat/completions"
         tools = [
             {"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}}
             for t in TOOLS
@@ -87,12 +64,11 @@ def streamed(client: httpx.Client, url: str, n: int, direct: bool) -> tuple[floa
         body["tools"] = tools
         content = re.compile(r'"(?:reasoning_)?content": ?"[^"]')  # a chunk with content
     else:
-        path = "/v1/messages"
         body = {"model": "m", "max_tokens": 200, "messages": ask, "tools": TOOLS, "stream": True}
         content = re.compile("content_block_delta")
     started = time.perf_counter()
     first = None
-    with client.stream("POST", url + path, json=body) as reply:
+    with client.stream("POST", url, json=body) as reply:
         for line in reply.iter_lines():
             if first is None and content.search(line):
                 first = time.perf_counter() - started
@@ -111,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         upstream = stack.enter_context(engine(Path(tmp), args.first_token_s, args.token_s))
         urls = {"direct": upstream}
         for mode in MODES[1:]:
-            urls[mode] = stack.enter_context(front_end(mode, Path(tmp), upstream))
+            urls[mode] = stack.enter_context(front_end(mode, Path(tmp), upstream))[0]
         client = stack.enter_context(httpx.Client(timeout=120))
         for n in range(args.calls + 1):
             for mode in MODES:
