@@ -102,24 +102,18 @@ class Generation:
     def cut(self, kept: int) -> Generation:
         """Its first ``kept`` tokens, as a request cut there is answered: finish reason
         ``abort``, the text so far parsed as a whole reply's is (a call cut open stays text)."""
-        text = "".join(self.deltas[:kept])
-        parsed = parse_reply(text, parse_tools=self.parse_tools)
+        head = _span(self, 0, kept)
         # Calls the cut text still holds whole keep their ids: a stream has already sent them.
         sent = {(call.end, call.name, call.arguments): call.id for call in self.parsed.tool_calls}
         calls = [
             ParsedCall(sent.get((c.end, c.name, c.arguments), c.id), c.name, c.arguments, c.end)
-            for c in parsed.tool_calls
+            for c in head.parsed.tool_calls
         ]
         return replace(
-            self,
-            token_ids=self.token_ids[:kept],
-            steps=self.steps[:kept],
-            deltas=self.deltas[:kept],
-            text=text,
+            head,
             finish_reason="abort",
             stop_reason=None,
-            parsed=replace(parsed, tool_calls=calls),
-            version_spans=[],
+            parsed=replace(head.parsed, tool_calls=calls),
         )
 
 
