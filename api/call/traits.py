@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,14 +69,46 @@ def _texts(messages: list[Mapping[str, Any]], role: str, picks: slice) -> list[s
     return [content_text(m.get("content")) for m in chosen]
 
 
-def _lowered(texts: list[str]) -> dict[int, str]:
-    """Each text lower-cased, by identity: a conversation's first user message is often its
-    last one too, and a whole 16k-token prompt is then lowered once, not twice."""
-    lowered: dict[int, str] = {}
-    for text in texts:
-        if id(text) not in lowered:
-            lowered[id(text)] = text.lower()
-    return lowered
+class _Facts:
+    """What the traits read off one whole message text; ``opening`` is filled when the text
+    first opens a conversation."""
+
+    __slots__ = ("digest", "continuation", "summary_request", "opening")
+
+    def __init__(self, text: str) -> None:
+        lowered = text.lower()
+        self.digest = _digest(text)
+        self.continuation = CONTINUATION in lowered
+        self.summary_request = _asks_for_summary(lowered)
+        self.opening: tuple[str, ...] | None = None
+
+    def opening_digests(self, text: str) -> list[str]:
+        if self.opening is None:
+            self.opening = tuple(opening_digests(text))
+        return list(self.opening)
+
+
+# Every call of a rollout repeats its system prompt and first user message, and a GRPO
+# group's rollouts share them: at 16k tokens, hashing, lower-casing and digesting their
+# lines costs about 0.5 ms a call. Their facts are kept for the texts seen last, keyed by
+# the text itself (a hit is exact), each at most KEPT_CHARS long, so at most a few MB stay.
+FACTS_KEPT = 64
+KEPT_CHARS = 1 << 17
+_known: OrderedDict[str, _Facts] = OrderedDict()
+
+
+def _facts(text: str) -> _Facts:
+    """The facts of ``text``, read once while it is among the texts seen last."""
+    facts = _known.get(text)
+    if facts is not None:
+        _known.move_to_end(text)
+        return facts
+    facts = _Facts(text)
+    if len(text) <= KEPT_CHARS:
+        _known[text] = facts
+        if len(_known) > FACTS_KEPT:
+            _known.popitem(last=False)
+    return facts
 
 
 def _structured(body: Mapping[str, Any]) -> bool:
@@ -94,6 +127,17 @@ def _structured(body: Mapping[str, Any]) -> bool:
     )
 
 
+def _summary_request(last_user: list[str], first_users: list[str]) -> bool:
+    """Whether the last user message asks for the CLI's compaction summary. A later user
+    message is most often a tool's result, seen once: read, and not kept among the facts."""
+    if not last_user:
+        return False
+    last = last_user[0]
+    if any(last is text for text in first_users):
+        return _facts(last).summary_request
+    return _asks_for_summary(last.lower())
+
+
 def _history(messages: list[Mapping[str, Any]], first_user: str) -> dict[str, Any]:
     """Where the request stands in its conversation: the assistant turns it carries (a
     trailing assistant message is a prefill, not a turn), the digest of the last one, and
@@ -105,7 +149,7 @@ def _history(messages: list[Mapping[str, Any]], first_user: str) -> dict[str, An
         ANSWERED_BEFORE: reply_digest(answers[-1]) if answers else None,
     }
     if not answers:
-        found[OPENING] = opening_digests(first_user)
+        found[OPENING] = _facts(first_user).opening_digests(first_user)
     return found
 
 
@@ -121,16 +165,16 @@ def request_traits(body: Mapping[str, Any], chat_request: Mapping[str, Any]) -> 
         if isinstance(tool, Mapping)
     )
     system, subagent = _system_parts(systems[0] if systems else "")
-    lowered = _lowered(first_users + last_user)
+    first = [_facts(text) for text in first_users]
     return {
-        "system": _digest(system),
-        "first_user": _digest(first_users[0] if first_users else ""),
+        "system": _facts(system).digest,
+        "first_user": first[0].digest if first else _digest(""),
         "subagent": subagent,
         "tools": _digest("\n".join(tools)),
         "n_tools": len(tools),
         "structured_output": _structured(body),
-        "summary_request": bool(last_user) and _asks_for_summary(lowered[id(last_user[0])]),
-        "continuation": any(CONTINUATION in lowered[id(text)] for text in first_users),
+        "summary_request": _summary_request(last_user, first_users),
+        "continuation": any(facts.continuation for facts in first),
         **_history(messages, first_users[0] if first_users else ""),
     }
 

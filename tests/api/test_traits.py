@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from api.call import traits as traits_module
 from api.call.traits import request_traits
 from api.dialects import anthropic
 from capture.filestore.store import FileTokenStore
@@ -75,6 +76,39 @@ def test_a_title_call_a_summary_request_and_a_resumed_session_are_told_apart() -
         }
     )
     assert sub["system"] != first["system"] and sub["tools"] == first["tools"]
+
+
+def test_kept_facts_give_each_text_its_own_traits_within_their_bound() -> None:
+    """A rollout's system prompt and opening are read once; a text that differs by one
+    character, or a text seen often, never takes another's traits, and what is kept stays
+    bounded."""
+    opening = "\n".join(f"line {n} of the task, long enough to count" for n in range(300))
+    body = {"model": "m", "max_tokens": 9, "system": "You are Claude Code.", "tools": TOOLS}
+    ask = "Please write a detailed summary of"
+    fresh = traits({**body, "messages": [{"role": "user", "content": opening + ask}]})
+    again = traits({**body, "messages": [{"role": "user", "content": opening + ask}]})
+    assert again == fresh and fresh["summary_request"] and len(fresh["opening"]) == 256
+    changed = traits({**body, "messages": [{"role": "user", "content": "L" + opening[1:] + ask}]})
+    assert changed["first_user"] != fresh["first_user"]
+    assert changed["opening"][1:] == fresh["opening"][1:]
+    assert changed["opening"][0] != fresh["opening"][0]
+    later = traits(
+        {
+            **body,
+            "messages": [
+                {"role": "user", "content": opening + ask},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "done"},
+            ],
+        }
+    )
+    assert later["first_user"] == fresh["first_user"] and not later["summary_request"]
+    for n in range(2 * traits_module.FACTS_KEPT):
+        traits({**body, "messages": [{"role": "user", "content": f"{n} {opening}"}]})
+    huge = opening * (traits_module.KEPT_CHARS // len(opening) + 1)
+    traits({**body, "messages": [{"role": "user", "content": huge}]})
+    assert len(traits_module._known) == traits_module.FACTS_KEPT
+    assert huge not in traits_module._known
 
 
 def test_the_clis_billing_line_is_not_the_system_prompt_and_names_a_sub_agent() -> None:
