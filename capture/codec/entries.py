@@ -119,9 +119,10 @@ class ChainMemo:
 
     A call's prompt almost always starts with the previous call's sequence, so comparing the
     ids replaces packing and hashing the whole context again: one C-level list comparison
-    for a list, one ``memcmp`` (and no copy) for ``PackedIds``, whose prefix is remembered
-    as the packed bytes the calls brought. Bounded: the least recently used rollouts are
-    forgotten first.
+    for a list; for ``PackedIds``, whose prefix is remembered as the packed bytes the calls
+    brought, a few ``memcmp`` (and no copy) that find every whole block the two share, so a
+    prompt that re-renders the last reply still reuses the blocks before it. Bounded: the
+    least recently used rollouts are forgotten first.
     """
 
     def __init__(self, max_rollouts: int = 64) -> None:
@@ -138,8 +139,8 @@ class ChainMemo:
     def match(
         self, rollout_id: str, ids: Sequence[int], block_size: int
     ) -> tuple[tuple[Block, ...], list[int] | None]:
-        """The remembered whole blocks ``ids`` starts with, and for a list a copy of the ids
-        they cover: the slice the comparison needs anyway, which ``remember`` then extends
+        """The remembered whole blocks ``ids`` starts with (for a list all of them or none),
+        and for a list a copy of the ids they cover: the slice the comparison needs anyway, which ``remember`` then extends
         instead of copying the whole context a second time."""
         with self._lock:
             known = self._known.get(rollout_id)
@@ -147,8 +148,9 @@ class ChainMemo:
             return (), None
         _, prefix, blocks = known
         if isinstance(ids, PackedIds) or isinstance(prefix, tuple):
-            matched = isinstance(ids, PackedIds) and isinstance(prefix, tuple)
-            return (blocks, None) if matched and ids.starts_with(prefix) else ((), None)
+            if not (isinstance(ids, PackedIds) and isinstance(prefix, tuple)):
+                return (), None
+            return blocks[: ids.shared_blocks(prefix, block_size * ID_WIDTH)], None
         if len(ids) < len(prefix):
             return (), None
         head = ids[: len(prefix)]

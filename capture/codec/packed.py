@@ -111,11 +111,23 @@ class PackedIds(ListLikeIds):
     def tolist(self) -> list[int]:
         return unpack_ids(self.data)
 
-    def starts_with(self, parts: Sequence[bytes | memoryview]) -> bool:
-        """Whether the ids begin with the concatenation of ``parts`` (packed), by memcmp."""
+    def shared_blocks(self, parts: Sequence[bytes | memoryview], block_bytes: int) -> int:
+        """How many whole blocks of ``block_bytes`` the ids share with the concatenation of
+        ``parts`` (packed), from the start: whole parts by memcmp, then a binary search of
+        memcmps within the first part that differs. A rollout's next prompt in text mode
+        often re-renders the last reply differently (thinking dropped), and still shares
+        every block before it."""
         at = 0
         for part in parts:
-            if not self.data.startswith(part, at):
-                return False
-            at += len(part)
-        return True
+            if self.data.startswith(part, at):
+                at += len(part)
+                continue
+            good, bad = at // block_bytes, (at + len(part)) // block_bytes + 1
+            while bad - good > 1:  # blocks [0, good) are shared, [0, bad) are not
+                middle = (good + bad) // 2
+                if self.data.startswith(part[: middle * block_bytes - at], at):
+                    good = middle
+                else:
+                    bad = middle
+            return good
+        return at // block_bytes

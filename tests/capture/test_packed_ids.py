@@ -76,21 +76,47 @@ def test_a_packed_prompt_encodes_as_its_list_does(block_size: int) -> None:
             assert decode_entry(encoded.body, dict(encoded.blocks)) == call
 
 
-def test_the_memo_reuses_a_packed_prefix_only_when_it_is_one() -> None:
+def remembering(prompt: list[int]) -> ChainMemo:
+    """A memo that encoded one packed call of ``prompt``, generation (5, 6)."""
     memo = ChainMemo()
-    first = packed(make_entry(range(20), model_call_id="a"))
-    encode_entry(first, B, memo)
+    encode_entry(packed(make_entry(prompt, model_call_id="a")), B, memo)
+    return memo
+
+
+@pytest.mark.parametrize(
+    ("prompt", "at", "shared"),
+    [
+        # 20 prompt ids + 2 generated: its first 2 whole blocks (16 ids) are remembered.
+        (20, 3, 0),
+        (20, 8, 1),
+        (20, 15, 1),
+        (20, 16, 2),
+        (20, 21, 2),
+        # 14 + 2: the remembered blocks end in the generation's ids.
+        (14, 7, 0),
+        (14, 14, 1),
+        (14, 15, 1),
+    ],
+)
+def test_the_memo_reuses_the_whole_blocks_a_packed_prompt_shares(
+    prompt: int, at: int, shared: int
+) -> None:
+    sequence = [*range(prompt), 5, 6]
+    assert len(remembering(list(range(prompt))).prefix("r-1", PackedIds.of(sequence), B)) == 2
+    changed = list(sequence)
+    changed[at] = 999  # one id changed: the blocks before its own are reused, no later one
+    memo = remembering(list(range(prompt)))
+    assert len(memo.prefix("r-1", PackedIds.of(changed), B)) == shared
+    call = packed(make_entry(changed, model_call_id="b"))
+    assert encode_entry(call, B, memo).chain == encode_entry(call, B).chain
+
+
+def test_the_memo_reuses_no_more_than_a_packed_prompt_holds() -> None:
     sequence = [*range(20), 5, 6]
-    assert len(memo.prefix("r-1", PackedIds.of([*sequence, 9]), B)) == 2
-    # One id changed inside the remembered prefix, in the prompt's part or the generation's.
-    for at in (3, 21):
-        changed = list(sequence)
-        changed[at] = 999
-        assert memo.prefix("r-1", PackedIds.of(changed), B) == ()
-        call = packed(make_entry(changed, model_call_id="b"))
-        assert encode_entry(call, B, memo).chain == encode_entry(call, B).chain
-    # Shorter than the prefix, or a list after packed calls: nothing is reused, all is right.
-    assert memo.prefix("r-1", PackedIds.of(sequence[:10]), B) == ()
+    memo = remembering(list(range(20)))
+    # Shorter than the prefix: only its own whole blocks; a list after packed calls: none.
+    assert len(memo.prefix("r-1", PackedIds.of(sequence[:10]), B)) == 1
+    assert memo.prefix("r-1", PackedIds.of(sequence[:7]), B) == ()
     assert memo.prefix("r-1", [*sequence, 9], B) == ()
     grown = make_entry([*sequence, 1, 2, 3], model_call_id="c")
     assert encode_entry(grown, B, memo).digest == encode_entry(grown, B).digest
