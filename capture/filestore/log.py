@@ -139,15 +139,17 @@ class LockedLog:
             os.fsync(self.fd)
         self.size = valid_end
 
-    def append(self, records: list[dict[str, Any]]) -> None:
-        """Append records; durable on return when the log fsyncs."""
+    def append(self, records: list[dict[str, Any]], *, durable: bool = True) -> None:
+        """Append records; durable on return when the log fsyncs and ``durable`` is asked
+        for. Records appended without it are visible to every reader at once, and durable
+        with the next durable append (``fdatasync`` flushes the whole file)."""
         data = b"".join(frame(record) for record in records)
         start = self.size
         try:
             written = 0
             while written < len(data):
                 written += os.pwrite(self.fd, data[written:], start + written)
-            if self.fsync:
+            if self.fsync and durable:
                 os.fdatasync(self.fd)
         except BaseException:
             # Leave no partial record behind; if even this fails, the next reader truncates.

@@ -4,7 +4,9 @@ Each rollout is one append-only log (``<dir>/<rollout_id>.log``, see ``capture.f
 small records: entries, intents, voids, lost-call marks and the freeze. Entries use the shared
 codec, and a record carries only the blocks the rollout has not stored yet, so the
 bytes on disk grow with the final context, not with turns x context. Every write is fsynced
-before the call returns. The version is the number of state changes, so any write that races
+before the call returns, but an intent: it is read by every process at once, and durable
+with the next write to its log, which comes before any reply (the entry, a void, a lost
+mark, the freeze), so its own fsync would only repeat that one's. The version is the number of state changes, so any write that races
 a freeze leaves the frozen snapshot's version behind and its drop fails. Dropping replaces
 the log by a tombstone (the frozen state with ``snapshot_id`` and ``version``) so a late
 writer still sees the freeze; tombstones are swept after ``tombstone_ttl_s``.
@@ -252,11 +254,17 @@ class FileTokenStore:
                 self._cache.popitem(last=False)
 
     def _append(
-        self, rollout_id: str, log: LockedLog, state: RolloutState, records: list[dict]
+        self,
+        rollout_id: str,
+        log: LockedLog,
+        state: RolloutState,
+        records: list[dict],
+        durable: bool = True,
     ) -> None:
-        """Append records durably and fold them into the state; a new log gets its head."""
+        """Append records (durably, unless told not to) and fold them into the state; a new
+        log gets its head, and its directory entry is made durable either way."""
         head = head_record(rollout_id) if log.size == 0 else None
-        log.append([head, *records] if head else records)
+        log.append([head, *records] if head else records, durable=durable)
         if head and self.fsync:
             fsync_dir(self.dir)  # the new log's directory entry must survive a crash too
         for record in records:
@@ -336,7 +344,8 @@ class FileTokenStore:
                 model_call_id in state.intents or model_call_id in state.calls
             ):
                 return  # already recorded, or already resolved by its entry
-            self._append(rollout_id, log, state, [{"k": kind, "call": model_call_id}])
+            record = {"k": kind, "call": model_call_id}
+            self._append(rollout_id, log, state, [record], durable=kind != "intent")
 
     def _freeze(self, rollout_id: str) -> TokenCaptureSnapshot:
         path = self._path(rollout_id)

@@ -353,3 +353,26 @@ async def test_drops_sweep_old_tombstones_once_an_interval(tmp_path):
     left = await store.rollouts()
     assert "old" not in left and "newer" in left
     await store.close()
+
+
+async def test_an_intent_is_seen_at_once_and_made_durable_by_the_write_after_it(
+    tmp_path, monkeypatch
+):
+    """An intent is read by every process at once; its own fsync would only repeat the one
+    of the write that follows it before any reply (the entry, or a void)."""
+    directory = tmp_path / "captures"
+    writer, freezer = FileTokenStore(directory), FileTokenStore(directory)
+    await writer.put(make_token_entry("r", "c-0"))  # the log exists: no head to write
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    await writer.begin_call("r", "c-1")
+    assert synced == []
+    await writer.put(make_token_entry("r", "c-1"))
+    assert len(synced) == 1  # the entry's fdatasync, which flushes the intent before it
+    await writer.begin_call("r", "c-2")
+    await writer.void_call("r", "c-2")
+    assert len(synced) == 2  # a void is durable itself, and so is the intent it follows
+    await writer.begin_call("r", "c-3")
+    snapshot = await freezer.freeze("r")  # another store's freeze sees the intent
+    assert snapshot.incomplete and [e.model_call_id for e in snapshot.entries] == ["c-0", "c-1"]
