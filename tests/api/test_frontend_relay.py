@@ -62,7 +62,12 @@ def test_anthropic_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> N
         (truth,) = ground_truth(engine)
     generated = len(truth["token_ids"])
     assert total >= FIRST_S + TOKEN_S * (generated - 1) * 0.8, "the engine was paced"
-    assert arrivals[0] < FIRST_S + 0.5, f"first delta at {arrivals[0]:.2f} s of {total:.2f} s"
+    # Relative to the call's own length, so a loaded machine that slows everything alike
+    # still passes, and a reply held back to the end (first delta at ``total``) does not.
+    sampling = total - FIRST_S
+    assert arrivals[0] < FIRST_S + sampling / 2, (
+        f"first delta at {arrivals[0]:.2f} s of {total:.2f} s"
+    )
     assert len(arrivals) >= generated // 2, "deltas one by one, not one at the end"
     assert message.stop_reason == "end_turn"
     (entry,) = run(peek_entries(tmp_path, "relay-a"))
@@ -85,7 +90,7 @@ def test_chat_deltas_arrive_as_the_engine_samples_them(tmp_path: Path) -> None:
                 text.append(delta.content or "")
         total = time.monotonic() - started
         (truth,) = ground_truth(engine)
-    assert arrivals[0] < FIRST_S + 0.5 < total
+    assert arrivals[0] < FIRST_S + (total - FIRST_S) / 2  # not held back to the end
     assert len(arrivals) > 3
     (entry,) = run(peek_entries(tmp_path, "relay-c"))
     assert entry.generation_token_ids == truth["token_ids"]
