@@ -16,6 +16,10 @@ exactly the ids the engine logged for every answered call.
 Then the first streamed delta: ``--stream-calls`` streamed chat calls one after another, on
 an engine with a time to the first token and a time per token, direct and relayed through
 tokcap: p50 of the time to the first content delta, and the largest gap between deltas.
+
+``--profile`` runs each front end (one worker) under cProfile (``bench/profiled_serve.py``)
+and prints, after its scenario, where its event loop's CPU went, by package and by
+function. Profiling slows the front end, so its throughput is not the figure to quote.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from bench.profiled_serve import summary
 from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import FileTokenStore
 from tests.support.fault_loops import GroundTruth, write_script
@@ -52,6 +57,7 @@ TOOL = {
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
     },
 }
+PROFILED_SERVE = str(Path(__file__).with_name("profiled_serve.py"))
 FILE_CONFIG = "token_id_capture:\n  enabled: true\n  dir: {dir}\n  rebuild_response: false\n"
 REDIS_CONFIG = (
     "token_id_capture:\n  enabled: true\n  sink: transports.redis:RedisTokenSink\n"
@@ -79,8 +85,11 @@ def engine(tmp: Path, first_s: float, token_s: float = 0.0) -> Iterator[tuple[st
 
 
 @contextlib.contextmanager
-def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tuple[str, Any, int]]:
-    """``tokcap serve`` on ``store``; yields its URL, a factory of the store's source, its PID."""
+def front_end(
+    tmp: Path, upstream: str, store: str, workers: int, profile: Path | None = None
+) -> Iterator[tuple[str, Any, int]]:
+    """``tokcap serve`` on ``store``; yields its URL, a factory of the store's source, its PID.
+    With ``profile``, its one worker runs under cProfile and writes the stats there on exit."""
     with contextlib.ExitStack() as stack:
         if store == "redis":
             data = tmp / f"redis-{time.monotonic_ns()}"
@@ -96,10 +105,10 @@ def front_end(tmp: Path, upstream: str, store: str, workers: int) -> Iterator[tu
         path = tmp / "serve.yaml"
         path.write_text(config)
         port = free_port()
+        serve = [PROFILED_SERVE, str(profile)] if profile else ["-m", "tokcap.commands.serve"]
         args = [
             sys.executable,
-            "-m",
-            "tokcap.commands.serve",
+            *serve,
             "--config",
             str(path),
             "--port",
@@ -212,8 +221,9 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
             run_loops(lambda _: engine_url + "/v1/chat/completions", loops, args.turns, pad)
         )
         direct_most = pace(engine_url)["most_in_flight"]
+    profile = tmp / f"serve-{time.monotonic_ns()}.prof" if args.profile else None
     with engine(tmp, args.call_s) as (engine_url, truth_path):
-        with front_end(tmp, engine_url, store, workers) as (front, source, pid):
+        with front_end(tmp, engine_url, store, workers, profile) as (front, source, pid):
             captured = lambda rollout: (  # noqa: E731
                 f"{front}/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
             )
@@ -233,6 +243,8 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
     )
     for error, count in errors.most_common(3):
         print(f"    {count} x {error}", flush=True)
+    if profile is not None:  # the server has exited, so the profile is written
+        print("\n".join(summary(profile, len(through))), flush=True)
 
 
 async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
@@ -293,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-token-s", type=float, default=0.5)
     parser.add_argument("--token-s", type=float, default=0.05)
     parser.add_argument("--skip-load", action="store_true", help="only the first-delta figures")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the front end (one worker) under cProfile and print where its time goes",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tokcap-bench-serving-") as tmp:
         if not args.skip_load:
