@@ -23,7 +23,7 @@ from typing import Any
 
 from api.engine import adapter
 from api.engine.adapter import Ask, Command, Post
-from api.engine.checks import finish, logprob_problem, sent_prompt_check
+from api.engine.checks import finish, logprob_problem, sent_prompt_check, usable_logprobs
 from api.engine.generation import Generation, reply_generation, with_changes
 from api.engine.routes import flat_routes
 from api.engine.sglang_stream import StreamedGenerate
@@ -84,6 +84,10 @@ def _triples(meta_info: Any) -> tuple[list[int] | None, list[Any] | None, str | 
 
 
 def _values(values: list[Any]) -> tuple[list[float] | None, str | None]:
+    """The log-probs as floats, or the first that is not usable."""
+    usable = usable_logprobs(values)
+    if usable is not None:
+        return usable, None
     for position, value in enumerate(values):
         problem = logprob_problem(value)
         if problem is not None:
