@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from bench.bench_frontend import cpu_seconds
 from bench.profiled_serve import summary
 from capture.delivery import finalize_rollout_token_capture
 from capture.filestore.store import FileTokenStore
@@ -129,6 +130,11 @@ def rss_mb(pid: int, field: str = "VmHWM") -> float:
                 if line.startswith(f"{field}:"):
                     total_kb += int(line.split()[1])
     return total_kb / 1024
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU seconds a process tree has spent so far (its workers with it)."""
+    return sum(cpu_seconds(member) for member in process_tree(pid))
 
 
 def turn_body(messages: list[dict[str, Any]], turn: int, turns: int) -> dict[str, Any]:
@@ -227,8 +233,9 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
             captured = lambda rollout: (  # noqa: E731
                 f"{front}/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
             )
-            idle = rss_mb(pid, "VmRSS")
+            idle, cpu_before = rss_mb(pid, "VmRSS"), cpu_s(pid)
             tokcap_s, through = asyncio.run(run_loops(captured, loops, args.turns, pad))
+            cpu_ms = (cpu_s(pid) - cpu_before) * 1000 / calls
             most = pace(engine_url)["most_in_flight"]
             rss = rss_mb(pid)
             exact = asyncio.run(exact_rollouts(source, through, GroundTruth(truth_path)))
@@ -238,7 +245,7 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
         f"({calls / direct_s:6.1f} calls/s, {direct_most} at once) | tokcap {tokcap_s:6.1f} s "
         f"({calls / tokcap_s:6.1f} calls/s, {most} at once) | throughput x"
         f"{direct_s / tokcap_s:.2f} | {errors.total()} errors | {exact}/{loops} exact | front end "
-        f"RSS {idle:.0f} MB idle, {rss:.0f} MB at peak",
+        f"RSS {idle:.0f} MB idle, {rss:.0f} MB at peak, CPU {cpu_ms:.2f} ms a call",
         flush=True,
     )
     for error, count in errors.most_common(3):
