@@ -55,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from api.dialects import anthropic
 from api.engine.vllm import CHAT_PARAMS as CAPTURE_PARAMS
 from bench.bench_engine import prompt_of
 from bench.frontend_steps import PROBES
@@ -72,6 +73,62 @@ env:
 KINDS = ("direct", "untagged", "captured")
 STEPS_SCRIPT = str(Path(__file__).with_name("frontend_steps.py"))
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+FIXTURE = Path(__file__).resolve().parent.parent / "tests/support/fixtures"
+RECORDED = FIXTURE / "claude_code_messages_request.json"
+TOOLS = 24  # the CLI sends about 25
+ROUND_CHARS = 2400  # a tool result of about 600 tokens
+
+
+def claude_code_body(tokens: int, max_tokens: int) -> dict[str, Any]:
+    """A request shaped as the Claude Code CLI sends one mid-loop, grown with the corpus to
+    about ``tokens`` tokens: its recorded system blocks and first message, ``TOOLS`` tools
+    with its Bash tool's schema (a quarter of the text in their descriptions), then tool
+    rounds (a reply with a tool call, its result). Every element a real body has, in the
+    numbers it has them: the text-only body holds one long string instead."""
+    recorded = json.loads(RECORDED.read_text())
+    recorded = recorded.get("body", recorded)
+    text = prompt_of(tokens)
+    quarter = len(text) // 4
+    bash = recorded["tools"][0]
+    share = quarter // TOOLS
+    tools = [
+        {**bash, "name": f"Tool{n}", "description": text[n * share : (n + 1) * share]}
+        for n in range(TOOLS)
+    ]
+    messages = [recorded["messages"][0]]
+    rest = text[quarter:]
+    for n, at in enumerate(range(0, len(rest), ROUND_CHARS)):
+        call = {"type": "tool_use", "id": f"toolu_{n:04d}", "name": "Tool0", "input": {}}
+        call["input"] = {"command": f"cat part-{n}.txt", "description": f"Show part {n}"}
+        messages.append(
+            {"role": "assistant", "content": [{"type": "text", "text": "Next part."}, call]}
+        )
+        result = {"type": "tool_result", "tool_use_id": call["id"]}
+        result["content"] = rest[at : at + ROUND_CHARS]
+        messages.append({"role": "user", "content": [result]})
+    body = {key: recorded[key] for key in ("system", "metadata", "thinking") if key in recorded}
+    return {
+        **body,
+        "model": "claude-sonnet-4-5",
+        "max_tokens": max_tokens,
+        "tools": tools,
+        "messages": messages,
+    }
+
+
+def bodies_of(shape: str, tokens: int, max_tokens: int) -> tuple[dict, dict]:
+    """(the direct engine's chat body, the front end's Messages body) of one shape."""
+    if shape == "claude-code":
+        front_body = claude_code_body(tokens, max_tokens)
+        chat = anthropic.to_chat(front_body)
+    else:
+        messages = [{"role": "user", "content": prompt_of(tokens)}]
+        front_body = {"model": "claude-sonnet-4-5", "max_tokens": max_tokens, "messages": messages}
+        chat = {"messages": messages}
+    direct_body = {**chat, "model": "tokcap-engine", "max_tokens": max_tokens, **CAPTURE_PARAMS}
+    return direct_body, front_body
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
@@ -194,19 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", action="store_true", help="probe each front end: CPU per step of a call"
     )
+    parser.add_argument(
+        "--shape",
+        choices=["text", "claude-code"],
+        default="text",
+        help="one long user message, or a Claude Code CLI request mid-loop (tools, rounds)",
+    )
     args = parser.parse_args(argv)
-    prompt = prompt_of(args.prompt_tokens)
-    direct_body = {
-        "model": "tokcap-engine",
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": args.max_tokens,
-        **CAPTURE_PARAMS,
-    }
-    front_body = {
-        "model": "claude-sonnet-4-5",
-        "max_tokens": args.max_tokens,
-        "messages": [{"role": "user", "content": prompt}],
-    }
+    direct_body, front_body = bodies_of(args.shape, args.prompt_tokens, args.max_tokens)
     bodies = (direct_body, front_body)
     server_args = ["--loop", args.loop, "--http", args.http]
     with tempfile.TemporaryDirectory() as tmp:
@@ -228,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
             engine = next(iter(setups.values()))["direct"][0].rsplit("/v1/", 1)[0]
             prompt_tokens = client.post(
                 engine + "/tokenize",
-                json={"model": "tokcap-engine", "messages": direct_body["messages"]},
+                json={
+                    key: direct_body[key]
+                    for key in ("model", "messages", "tools")
+                    if key in direct_body
+                },
             ).json()["count"]
         # The servers have exited, so the probes have written their files.
         found = [
@@ -237,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.steps and probes[name].exists()  # "before" only with a baseline
         ]
     print(
-        f"prompt {prompt_tokens} tokens, {args.calls} interleaved rounds, "
+        f"{args.shape} prompt {prompt_tokens} tokens, {args.calls} interleaved rounds, "
         f"max_tokens {args.max_tokens}, loop {args.loop}, http {args.http}"
     )
     print_latency(times, cpu, list(setups))
