@@ -41,6 +41,7 @@ def logprob_problem(value: Any) -> str | None:
 
 # The exact types of a usable log-prob as JSON decodes it: a bool is neither, nor is None.
 _NUMBERS = frozenset({float, int})
+NUMPY_FROM = 64  # values; fewer are checked one by one, in less time than numpy's calls take
 
 
 def usable_logprobs(values: list[Any], placeholder: float | None = None) -> list[float] | None:
@@ -48,6 +49,12 @@ def usable_logprobs(values: list[Any], placeholder: float | None = None) -> list
     thousands of tokens cost a millisecond a call one value at a time); None when any one
     is not, for the caller's own loop to name it (``logprob_problem``). ``placeholder``: an
     engine's value for "no log-prob" (vLLM's -9999.0), refused like the rest."""
+    if len(values) < NUMPY_FROM:  # numpy's calls cost more than a short loop
+        if any(logprob_problem(value) is not None for value in values):
+            return None
+        if placeholder is not None and placeholder in values:
+            return None
+        return [float(value) for value in values]
     if not set(map(type, values)) <= _NUMBERS:
         return None
     try:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hypothesis import example, given, settings
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.engine import sglang
-from api.engine.checks import logprob_problem, usable_logprobs
+from api.engine.checks import NUMPY_FROM, logprob_problem, usable_logprobs
 from api.engine.vllm import LOGPROB_PLACEHOLDER, _read_logprobs, _read_one_by_one
 
 GOOD_VALUE = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
@@ -33,30 +34,49 @@ ODD_TOKEN = st.one_of(
 )
 
 
-@st.composite
-def replies(draw: Any) -> tuple[list[Any], list[Any]]:
-    """Token and value lists, each usable or with a few odd entries anywhere."""
-    size = draw(st.integers(min_value=0, max_value=40))
-    token = st.one_of(GOOD_TOKEN, ODD_TOKEN) if draw(st.booleans()) else GOOD_TOKEN
-    value = st.one_of(GOOD_VALUE, ODD_VALUE) if draw(st.booleans()) else GOOD_VALUE
-    tokens = draw(st.lists(token, min_size=size, max_size=size))
-    values = draw(st.lists(value, min_size=size, max_size=size))
+SIZES = [0, 1, 7, NUMPY_FROM - 1, NUMPY_FROM, 150]  # both sides of where numpy starts
+
+
+def reply(data: Any, size: int) -> tuple[list[Any], list[Any]]:
+    """Usable tokens and values of one size, with up to two odd entries put anywhere."""
+    tokens = data.draw(st.lists(GOOD_TOKEN, min_size=size, max_size=size))
+    values = data.draw(st.lists(GOOD_VALUE, min_size=size, max_size=size))
+    for _ in range(data.draw(st.integers(min_value=0, max_value=2)) if size else 0):
+        at = data.draw(st.integers(min_value=0, max_value=size - 1))
+        if data.draw(st.booleans()):
+            tokens[at] = data.draw(ODD_TOKEN)
+        else:
+            values[at] = data.draw(ODD_VALUE)
     return tokens, values
 
 
-@settings(max_examples=400, deadline=None)
-@given(replies())
-@example((["token_id:1,token_id:2"], [-0.5]))  # one token that reads as two
-@example((["token_id:1", "token_id:٣"], [-0.5, -1.0]))  # a digit, but not an ASCII one
-@example((["token_id:7"], [LOGPROB_PLACEHOLDER]))
-def test_vllm_log_probs_read_at_once_as_one_by_one(reply: tuple[list[Any], list[Any]]) -> None:
-    tokens, values = reply
+@pytest.mark.parametrize("size", SIZES)
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_vllm_log_probs_read_at_once_as_one_by_one(size: int, data: Any) -> None:
+    tokens, values = reply(data, size)
     assert _read_logprobs(tokens, values) == _read_one_by_one(tokens, values)
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.lists(st.one_of(GOOD_VALUE, ODD_VALUE), max_size=30))
-def test_usable_log_probs_are_exactly_those_without_a_problem(values: list[Any]) -> None:
+@pytest.mark.parametrize(
+    ("tokens", "values"),
+    [
+        (["token_id:1,token_id:2"], [-0.5]),  # one token that reads as two
+        (["token_id:1", "token_id:٣"], [-0.5, -1.0]),  # a digit, but not an ASCII one
+        (["token_id:7"], [LOGPROB_PLACEHOLDER]),
+        (["token_id:7"] * NUMPY_FROM, [-0.5] * (NUMPY_FROM - 1) + [LOGPROB_PLACEHOLDER]),
+    ],
+)
+def test_vllm_log_probs_named_cases(tokens: list[Any], values: list[Any]) -> None:
+    assert _read_logprobs(tokens, values) == _read_one_by_one(tokens, values)
+    assert _read_logprobs(tokens, values)[2] is not None
+
+
+@pytest.mark.parametrize("size", SIZES)
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_usable_log_probs_are_exactly_those_without_a_problem(size: int, data: Any) -> None:
+    _, values = reply(data, size)
     usable = usable_logprobs(values)
     if any(logprob_problem(value) is not None for value in values):
         assert usable is None
