@@ -26,7 +26,7 @@ ROOT = str(Path(__file__).resolve().parent.parent) + "/"
 
 
 def _where(path: str, function: str) -> str:
-    """A profile row's group: a package, one of this repository's files, or a builtin."""
+    """A profile row's file: a package's, this repository's (its path), a builtin, stdlib."""
     if "site-packages/" in path:
         return path.split("site-packages/", 1)[1].split("/", 1)[0]
     if path.startswith(ROOT):
@@ -36,17 +36,27 @@ def _where(path: str, function: str) -> str:
     return "stdlib " + Path(path).stem
 
 
+def _group(where: str) -> str:
+    """A package, one of this repository's rooms (``api/engine``), builtins, the stdlib."""
+    if where.startswith("builtin "):
+        return "builtins"
+    if where.startswith("stdlib "):
+        return "stdlib"
+    return where.rsplit("/", 1)[0] if where.endswith(".py") else where
+
+
 def summary(path: str | Path, calls: int, top: int = 12) -> list[str]:
     """Lines: own CPU per model call by group, then the costliest functions."""
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
     groups: Counter[str] = Counter()
     functions: Counter[str] = Counter()
     for (file, line, function), (_, _, own, _, _) in stats.items():
-        groups[_where(file, function)] += own
-        functions[f"{_where(file, function)}:{line} {function}"] += own
+        where = _where(file, function)
+        groups[_group(where)] += own
+        functions[f"{where}:{line} {function}"] += own
     total = sum(groups.values())
     lines = [f"profiled event-loop CPU: {total * 1000 / max(calls, 1):.2f} ms a call"]
-    for title, table in (("by package or file", groups), ("by function", functions)):
+    for title, table in (("by package or room", groups), ("by function", functions)):
         lines.append(f"  {title} (share of the profiled CPU):")
         for name, seconds in table.most_common(top):
             lines.append(f"    {seconds / total:6.1%}  {name}")
