@@ -1,8 +1,8 @@
 """Where a worker finds the call a request continues: its own memory, then the sink.
 
 A worker remembers the calls it served last (their lineage keys and sampled sequence, as
-compact arrays, bounded by a token budget), so a rollout that keeps landing on one worker
-never waits on the store. A request for a call another worker or node served asks the sink
+compact arrays, bounded by a token budget that their route chains count against too), so
+a rollout that keeps landing on one worker never waits on the store. A request for a call another worker or node served asks the sink
 (``capture.protocols.LineageSource``), where the keys ride on the call's entry.
 
 With routes captured, a call found either way names the blocks its routes are stored in
@@ -26,6 +26,15 @@ log = logging.getLogger("tokcap.prompts")
 DEFAULT_BUDGET_TOKENS = 8_000_000
 # Sequences kept per rollout: its main line, and a few others (a title, a sub-agent).
 BRANCHES_PER_ROLLOUT = 4
+# A call's route chain costs its tuple's slots (8 bytes a name) in tokens of 36 bytes: the
+# names themselves are shared along a branch (each call reuses its prefix's), one 89-byte
+# string per 250 ids, about 1% of the ids.
+NAME_SLOTS_PER_TOKEN = 36 // 8
+
+
+def _route_tokens(chain: RouteChain | None) -> int:
+    """What remembering a call's route chain adds, in tokens of the budget."""
+    return 0 if chain is None else -(-len(chain.names) // NAME_SLOTS_PER_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,11 @@ class _Branch:
     sequence: list[int]
     # lineage key -> (call id, prompt end, end, the blocks its routes are stored in)
     calls: dict[str, tuple[str, int, int, RouteChain | None]]
+    route_tokens: int = 0  # what its calls' route chains are charged to the budget
+
+    @property
+    def tokens(self) -> int:
+        return len(self.sequence) + self.route_tokens
 
 
 class LineageMemory:
@@ -79,18 +93,20 @@ class LineageMemory:
             branches.append(branch)
             self._tokens += len(prompt_ids)
             if len(branches) > BRANCHES_PER_ROLLOUT:
-                self._tokens -= len(branches.pop(0).sequence)
+                self._tokens -= branches.pop(0).tokens
         else:
             added = prompt_ids[len(branch.sequence) :]
             branch.sequence.extend(added)
             self._tokens += len(added)
         branch.sequence.extend(completion_ids)
-        self._tokens += len(completion_ids)
+        routes = _route_tokens(routes_chain)
+        branch.route_tokens += routes
+        self._tokens += len(completion_ids) + routes
         for key in keys:
             branch.calls[key] = (model_call_id, len(prompt_ids), len(branch.sequence), routes_chain)
         while self._tokens > self._budget and len(self._rollouts) > 1:
             _, dropped = self._rollouts.popitem(last=False)
-            self._tokens -= sum(len(b.sequence) for b in dropped)
+            self._tokens -= sum(branch.tokens for branch in dropped)
 
     def recall(self, rollout_id: str, key: str) -> ContinuedCall | None:
         for branch in self._rollouts.get(rollout_id, ()):

@@ -28,6 +28,7 @@ from capture.context import capture_call, current_call
 from capture.errors import ConfigError
 from capture.filestore.store import FileTokenStore
 from capture.lineage import FALLBACK_FIELD, LINEAGE_FIELD
+from capture.routes import RouteChain
 
 TOOLS = [
     {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
@@ -275,6 +276,21 @@ def test_vocabularies_round_trip_text_and_bytes(spec: str, tmp_path) -> None:
     assert b"".join(vocab.token_bytes(i) for i in ids) == text.encode()
     assert vocab.convert_tokens_to_ids("<|im_start|>") == vocab.added["<|im_start|>"]
     assert vocab.decode(ids, skip_special_tokens=True) == text.replace("<|im_start|>", "")
+
+
+def test_route_chains_count_against_the_lineage_memorys_budget() -> None:
+    """A call's route chain is charged to the budget with its ids, and given back with
+    them: a rollout whose chains fill the budget is dropped first."""
+    names = tuple(f"{n:032x}" for n in range(40))  # a chain of 40 blocks: 10 tokens
+    memory = LineageMemory(budget_tokens=29)
+    memory.remember("r", ["k1"], "c1", [1, 2, 3], [4], RouteChain(names, 8, 320))
+    memory.remember("s", ["s1"], "d1", [5, 6, 7], [8])
+    assert memory.recall("r", "k1") is not None  # 14 + 4 tokens: within the budget
+    memory.remember("s", ["s2"], "d2", [5, 6, 7, 8, 9], [10], RouteChain(names, 8, 320))
+    assert memory.recall("r", "k1") is None  # 14 + 4 + 2 + 10 > 29: r went first
+    assert memory.recall("s", "s2").routes_chain == RouteChain(names, 8, 320)
+    memory.remember("t", ["t1"], "e1", list(range(12)), [0])  # 16 + 13 still fits
+    assert memory.recall("s", "s1") is not None and memory.recall("t", "t1") is not None
 
 
 def test_the_lineage_memory_shares_a_line_and_keeps_branches_within_its_budget() -> None:
