@@ -31,6 +31,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # 20 times as long).
 _DIGITS_AS_ZERO = bytes(ord("0") if chr(i).isdigit() and i < 128 else ord(" ") for i in range(256))
 _LONG_DIGITS = b"0" * 19
+# The walk looks at an element in about the time the scan takes for this many bytes.
+BYTES_PER_ELEMENT = 200
 _CONTAINERS = (dict, list)
 
 
@@ -64,13 +66,15 @@ def _check_shape(value: Any, check_strings: bool) -> bool:
     return huge
 
 
-def _too_deep(value: Any) -> bool:
-    """Whether a container lies deeper than MAX_JSON_DEPTH, walked a level at a time over
-    containers alone (a harness's body holds thousands of scalars: tool schemas, blocks)."""
-    level, depth = [value], 1
+def _depth_and_size(value: Any) -> tuple[bool, int]:
+    """Whether a container lies deeper than MAX_JSON_DEPTH, and how many elements the body
+    holds: walked a level at a time over its containers alone (a harness's body holds
+    thousands of scalars: tool schemas, content blocks)."""
+    level, depth, elements = [value], 1, 0
     while level:
         if depth > MAX_JSON_DEPTH:
-            return True
+            return True, elements
+        elements += sum(map(len, level))
         level = [
             child
             for item in level
@@ -78,7 +82,7 @@ def _too_deep(value: Any) -> bool:
             if type(child) in _CONTAINERS
         ]
         depth += 1
-    return False
+    return False, elements
 
 
 def _parsed(raw: bytes, loads: Callable[[bytes], Any]) -> dict[str, Any]:
@@ -97,12 +101,18 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a ``BodyError`` that says what is wrong with it."""
     check_strings = _SURROGATE_ESCAPE.search(raw) is not None
     body = _parsed(raw, jsonbytes.loads)
-    if not check_strings and _LONG_DIGITS not in raw.translate(_DIGITS_AS_ZERO):
-        # No string to check and no integer of 2**63 or more (19 digits at least): only
-        # the depth is left to check, at C speed for everything but the containers.
-        if _too_deep(body):
+    if not check_strings:
+        too_deep, elements = _depth_and_size(body)
+        if too_deep:
             raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
-        return body
+        # An integer of 2**63 or more: a body of few elements (one long message) is walked
+        # for one sooner than its bytes are scanned for 19 digits; a body of many is not.
+        if elements * BYTES_PER_ELEMENT < len(raw):
+            maybe_huge = _check_shape(body, False)
+        else:
+            maybe_huge = _LONG_DIGITS in raw.translate(_DIGITS_AS_ZERO)
+        if not maybe_huge:
+            return body
     if _check_shape(body, check_strings):  # perhaps an integer beyond 64 bits: read it exactly
         body = _parsed(raw, jsonbytes.loads_stdlib)
         _check_shape(body, check_strings)

@@ -1,6 +1,7 @@
-"""A request body is checked at C speed where it can be (no surrogate escape, no run of 19
-digits: only its depth is walked, over its containers); the result, or the 400 and its
-message, must be the full walk's on any body."""
+"""A request body is checked at C speed where it can be (no surrogate escape: its depth is
+walked over its containers, and its bytes scanned for 19 digits, or its few elements walked
+for a huge number); the result, or the 400 and its message, must be the full walk's on any
+body."""
 
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def nested(depth: int, leaf: Any) -> Any:
 @settings(max_examples=300, deadline=None)
 @given(VALUES, st.integers(min_value=0, max_value=MAX_JSON_DEPTH + 4))
 @example({"max_tokens": 10**30}, 0)
+@example(["x" * 5000, 10**30], 0)  # few elements in many bytes: walked, not scanned
+@example(["x" * 5000, 2**63 - 1], 0)
+@example(["x" * 5000, 1e300, "1234567890123456789"], 2)
 @example({"n": "x"}, MAX_JSON_DEPTH - 1)
 @example({"n": "x"}, MAX_JSON_DEPTH)
 def test_a_body_reads_as_the_full_walk_reads_it(value: Any, depth: int) -> None:
