@@ -6,10 +6,13 @@ upstream. Both are a ``BodyError`` (a 400) instead.
 
 orjson parses a body in a third of the stdlib's time and gives the same values, except
 that it reads an integer beyond 64 bits as a float, where the stdlib keeps it exact (so
-that ``max_tokens: 10**30`` is refused by name). The walk that checks the depth also
-looks for a float of 2**63 or more, the only form such an integer takes; a body with one
-is parsed again by the stdlib. A body orjson refuses (``NaN``, a lone surrogate, another
-encoding) is read by the stdlib as before (``api.jsonbytes.loads``).
+that ``max_tokens: 10**30`` is refused by name). A float of 2**63 or more is the only form
+such an integer takes, and it is written with 19 digits at least; a body that may hold one
+is walked value by value, and one that does is parsed again by the stdlib. Most bodies are
+not walked value by value: their depth is checked over their containers alone, and their
+bytes scanned for 19 digits (a body of few elements in many bytes is walked, sooner done).
+A body orjson refuses (``NaN``, a lone surrogate, another encoding) is read by the stdlib
+as before (``api.jsonbytes.loads``).
 """
 
 from __future__ import annotations
