@@ -14,9 +14,9 @@ Only a token-in call (faithful prompts) is continued: its reply is parsed from t
 the stitched reply is exact (relayed, its stream goes on through the continuation: the parse
 of every id so far, ``api.prompts.relay``). A text-mode call is not: the engine's reasoning
 and tool-call parsers saw only the first part, and a relayed stream already showed the
-harness that part's parse. Such a call, and one cut more than ``MAX_RESUMES`` times, fails with the
-dialect's retryable error (``Cut``), so the harness resends it; nothing reached it as an
-answer, so nothing is lost from the rollout.
+harness that part's parse. Such a call, and one cut more than ``MAX_RESUMES`` times, fails
+with the dialect's retryable error (``Cut``), so the harness resends it; nothing reached it
+as an answer, so nothing is lost from the rollout.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A worker remembers the calls it served last (their lineage keys and sampled sequence, as
 compact arrays, bounded by a token budget that their route chains count against too), so
-a rollout that keeps landing on one worker never waits on the store. A request for a call another worker or node served asks the sink
-(``capture.protocols.LineageSource``), where the keys ride on the call's entry.
+a rollout that keeps landing on one worker never waits on the store. A request for a call
+another worker or node served asks the sink (``capture.protocols.LineageSource``), where
+the keys ride on the call's entry.
 
 With routes captured, a call found either way names the blocks its routes are stored in
 (``ContinuedCall.routes_chain``), so the next call can ask for the rows it adds only.

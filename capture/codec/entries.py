@@ -140,8 +140,8 @@ class ChainMemo:
         self, rollout_id: str, ids: Sequence[int], block_size: int
     ) -> tuple[tuple[Block, ...], list[int] | None]:
         """The remembered whole blocks ``ids`` starts with (for a list all of them or none),
-        and for a list a copy of the ids they cover: the slice the comparison needs anyway, which ``remember`` then extends
-        instead of copying the whole context a second time."""
+        and for a list a copy of the ids they cover: the slice the comparison needs anyway,
+        which ``remember`` then extends instead of copying the whole context a second time."""
         with self._lock:
             known = self._known.get(rollout_id)
         if known is None or known[0] != block_size:

@@ -6,10 +6,11 @@ codec, and a record carries only the blocks the rollout has not stored yet, so t
 bytes on disk grow with the final context, not with turns x context. Every write is fsynced
 before the call returns, but an intent: it is read by every process at once, and durable
 with the next write to its log, which comes before any reply (the entry, a void, a lost
-mark, the freeze), so its own fsync would only repeat that one's. The version is the number of state changes, so any write that races
-a freeze leaves the frozen snapshot's version behind and its drop fails. Dropping replaces
-the log by a tombstone (the frozen state with ``snapshot_id`` and ``version``) so a late
-writer still sees the freeze; tombstones are swept after ``tombstone_ttl_s``.
+mark, the freeze), so its own fsync would only repeat that one's. The version is the
+number of state changes, so any write that races a freeze leaves the frozen snapshot's
+version behind and its drop fails. Dropping replaces the log by a tombstone (the frozen
+state with ``snapshot_id`` and ``version``) so a late writer still sees the freeze;
+tombstones are swept after ``tombstone_ttl_s``.
 
 Blocking file work runs in a worker thread so the event loop of a model server keeps serving.
 """
