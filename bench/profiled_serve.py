@@ -69,14 +69,20 @@ def _from_the_first_request(profile: cProfile.Profile) -> None:
     import uvicorn.protocols.http.h11_impl as h11
     import uvicorn.protocols.http.httptools_impl as httptools
 
+    started = False
+
+    def start() -> None:
+        nonlocal started
+        if not started:
+            started = True
+            profile.enable()
+
     for module in (httptools, h11):
         cycle = module.RequestResponseCycle
         run_asgi = cycle.run_asgi
 
         async def profiled(self: Any, app: Any, _run: Any = run_asgi) -> None:
-            if not getattr(profile, "started", False):
-                profile.started = True  # type: ignore[attr-defined]
-                profile.enable()
+            start()
             await _run(self, app)
 
         cycle.run_asgi = profiled  # type: ignore[method-assign]
