@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
 GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.]+)$", re.M)
-MAX_TOKENS = 4000  # a random model rarely ends sooner: the pause finds every call running
+# A random model rarely ends sooner, so the pause finds every call running; each call
+# sampled ~70 tokens by then, and the rest is the continuation (~20 s a call here).
+MAX_TOKENS = 1000
 SAMPLED_BEFORE_PAUSE = 64  # tokens each call has sampled, at least, when the pause comes
 # The free runs are the random model's own draws at temperature 1 (greedy, it could repeat
 # one token); their log-probs are its own, varying values.
@@ -61,17 +63,24 @@ def _metric(vllm: str, pattern: re.Pattern[str]) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def _generating(vllm: str, calls: int, generated_before: float) -> None:
+def _generating(
+    vllm: str, calls: int, generated_before: float, results: dict[str, Any], sent: list[str]
+) -> None:
     """Wait until vLLM runs ``calls`` requests and has sampled ``SAMPLED_BEFORE_PAUSE``
     tokens a call since ``generated_before`` (its own gauge and counter): each call has
     sampled some tokens and is far from its end when the pause comes, however fast or
-    busy the server (a cold one may take seconds to prefill)."""
+    busy the server (a cold one may take seconds to prefill). A call that came back
+    already, or the deadline, fails the test with what vLLM, the calls and the requests
+    ``sent`` to vLLM (its paths) showed."""
     deadline = time.monotonic() + 300
-    while (
-        _metric(vllm, RUNNING) < calls
-        or _metric(vllm, GENERATED) - generated_before < calls * SAMPLED_BEFORE_PAUSE
-    ):
-        assert time.monotonic() < deadline, "vLLM never ran every call"
+    while True:
+        running, generated = _metric(vllm, RUNNING), _metric(vllm, GENERATED) - generated_before
+        if running >= calls and generated >= calls * SAMPLED_BEFORE_PAUSE:
+            return
+        seen = f"vLLM ran {running:.0f} calls, sampled {generated:.0f} tokens; sent {sent}; "
+        seen += f"replies {results}"
+        assert not results, f"a call came back before the pause: {seen}"
+        assert time.monotonic() < deadline, f"vLLM never ran every call: {seen}"
         time.sleep(0.05)
 
 
@@ -92,7 +101,9 @@ def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
         generated_before = _metric(vllm, GENERATED)
         for thread in threads:
             thread.start()
-        _generating(vllm, len(rollouts), generated_before)  # each has sampled some tokens
+        _generating(
+            vllm, len(rollouts), generated_before, results, proxy.paths
+        )  # each has sampled some tokens
         try:
             paused = httpx.post(front + "/tokcap/pause", json={"mode": "abort"}, timeout=60)
             assert paused.status_code == 200, paused.text
