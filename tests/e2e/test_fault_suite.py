@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from api.settings import ServerSettings
 from capture import context
@@ -43,6 +44,8 @@ from transports.redis import RedisTokenStore
 
 pytestmark = pytest.mark.slow
 LOOPS = 16
+SLOW_EVENT_MS = 200  # Redis notes events slower than this, in ms (its latency monitor)
+STALL_MS = 1000  # an AOF write or fsync this slow is the disk's fault, not the load's
 CAPTURE_TIMEOUT_S = 2.0
 # Short store timeouts, so an outage is seen within the capture timeout.
 REDIS_TIMEOUTS = {"socket_timeout_s": 1.0, "connect_timeout_s": 0.5, "max_retries": 1}
@@ -300,8 +303,13 @@ async def test_file_store_unwritable_mid_run(engine: Engine, tmp_path: Path):
 async def test_500_concurrent_loops_without_a_fault_capture_every_call(
     engine: Engine, redis_server_factory, redis_prefix
 ):
-    """More loops than the Redis pool has connections: every call waits its turn, none fails."""
-    server = redis_server_factory()
+    """More loops than the Redis pool has connections: every call waits its turn, none fails.
+
+    Redis notes every event slower than ``SLOW_EVENT_MS`` (its latency monitor). A run in
+    which a call was lost while the disk held Redis's AOF writes for ``STALL_MS`` or more had a
+    fault after all (a CI run here saw the file store's writes wait over 5 s): it is skipped,
+    saying so. Any other loss fails the test with what Redis noted."""
+    server = redis_server_factory(**{"latency-monitor-threshold": str(SLOW_EVENT_MS)})
     rollouts = new_rollouts("crowd", 500, turns=(2, 3))
     outcome = await redis_run(
         "500 concurrent loops",
@@ -312,8 +320,23 @@ async def test_500_concurrent_loops_without_a_fault_capture_every_call(
         server_settings={"capture_timeout_s": context.DEFAULT_CAPTURE_TIMEOUT_S},
     )
     assert_no_critical(outcome)
-    assert outcome.masked == 0 and outcome.failed_loops == 0
+    if outcome.masked or outcome.failed_loops:
+        slow = await slow_events(server.url)
+        stalled = [event for event in slow if event[0].startswith(b"aof") and event[3] >= STALL_MS]
+        if stalled:  # a fault after all: the disk held Redis's own writes for seconds
+            pytest.skip(f"the disk stalled Redis's AOF writes: {stalled}; {outcome.masked} masked")
+        raise AssertionError(f"{outcome.masked} masked; Redis's slow events: {slow}")
     assert outcome.statuses == {200: sum(r.turns for r in rollouts)}, outcome.errors
+
+
+async def slow_events(url: str) -> Any:
+    """What Redis's latency monitor kept: per event, when it last happened, its last and
+    its longest time in ms (``aof-fsync-always``: the fsync of each write)."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        return await client.execute_command("LATENCY", "LATEST")
+    finally:
+        await client.aclose()
 
 
 async def test_a_corrupting_proxy_between_front_end_and_engine(
