@@ -63,6 +63,17 @@ def _metric(vllm: str, pattern: re.Pattern[str]) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _io_stalled_s() -> float:
+    """Seconds every running task of this machine has waited on I/O since boot (the
+    kernel's pressure stall information; 0 where it has none): a disk that holds writes
+    up stalls the engine's own log too."""
+    try:
+        full = Path("/proc/pressure/io").read_text().splitlines()[-1]
+    except (OSError, IndexError):
+        return 0.0
+    return int(full.rsplit("total=", 1)[-1]) / 1e6
+
+
 def _generating(
     vllm: str, calls: int, generated_before: float, results: dict[str, Any], sent: list[str]
 ) -> None:
@@ -72,13 +83,14 @@ def _generating(
     busy the server (a cold one may take seconds to prefill). A call that came back
     already, or the deadline, fails the test with what vLLM, the calls and the requests
     ``sent`` to vLLM (its paths) showed."""
-    deadline = time.monotonic() + 300
+    deadline, stalled_before = time.monotonic() + 300, _io_stalled_s()
     while True:
         running, generated = _metric(vllm, RUNNING), _metric(vllm, GENERATED) - generated_before
         if running >= calls and generated >= calls * SAMPLED_BEFORE_PAUSE:
             return
         seen = f"vLLM ran {running:.0f} calls, sampled {generated:.0f} tokens; sent {sent}; "
-        seen += f"replies {results}"
+        seen += f"replies {results}; the machine stalled on I/O for "
+        seen += f"{_io_stalled_s() - stalled_before:.1f} s meanwhile"
         assert not results, f"a call came back before the pause: {seen}"
         assert time.monotonic() < deadline, f"vLLM never ran every call: {seen}"
         time.sleep(0.05)
