@@ -104,19 +104,22 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a ``BodyError`` that says what is wrong with it."""
     check_strings = _SURROGATE_ESCAPE.search(raw) is not None
     body = _parsed(raw, jsonbytes.loads)
-    if not check_strings:
-        too_deep, elements = _depth_and_size(body)
-        if too_deep:
-            raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
-        # An integer of 2**63 or more: a body of few elements (one long message) is walked
-        # for one sooner than its bytes are scanned for 19 digits; a body of many is not.
-        if elements * BYTES_PER_ELEMENT < len(raw):
-            maybe_huge = _check_shape(body, False)
-        else:
-            maybe_huge = _LONG_DIGITS in raw.translate(_DIGITS_AS_ZERO)
-        if not maybe_huge:
-            return body
-    if _check_shape(body, check_strings):  # perhaps an integer beyond 64 bits: read it exactly
+    huge = _check_shape(body, True) if check_strings else _may_be_huge(body, raw)
+    if huge:  # perhaps an integer beyond 64 bits: read it exactly
         body = _parsed(raw, jsonbytes.loads_stdlib)
         _check_shape(body, check_strings)
     return body
+
+
+def _may_be_huge(body: Any, raw: bytes) -> bool:
+    """Whether a body without a surrogate escape holds a float of 2**63 or more, its depth
+    checked on the way: a body of few elements (one long message) is walked for one sooner
+    than its bytes are scanned for 19 digits; a body of many is walked only when the scan
+    finds them (perhaps in a string)."""
+    too_deep, elements = _depth_and_size(body)
+    if too_deep:
+        raise BodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    walked = elements * BYTES_PER_ELEMENT < len(raw)
+    if not walked and _LONG_DIGITS not in raw.translate(_DIGITS_AS_ZERO):
+        return False
+    return _check_shape(body, False)
