@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,12 +18,44 @@ from pathlib import Path
 
 import httpx
 
+# Where test servers listen: below the kernel's ephemeral range, which is where every
+# client connection takes its own port. A server port inside that range can be taken, while
+# its server starts, by a loopback connection to it whose source port happens to equal it
+# (the connection then opens to itself): polling an engine for 80 s walks a thousand source
+# ports, and an SGLang once failed to bind its port that way. Also below 22000, where
+# SGLang picks its own torch.distributed port.
+PORT_FLOOR, PORT_CEILING = 10000, 22000
+
+
+def ephemeral_low() -> int:
+    """The first port the kernel hands to client connections (32768 unless configured)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
+def distinct_free_ports(count: int) -> list[int]:
+    """``count`` different ports on 127.0.0.1 that nothing uses now, none a client's
+    ephemeral port (all held at once while chosen, so they differ)."""
+    candidates = list(range(PORT_FLOOR, min(PORT_CEILING, ephemeral_low())))
+    random.shuffle(candidates)
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        for port in candidates:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use, or lingering in TIME_WAIT
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"fewer than {count} free ports in {PORT_FLOOR}-{PORT_CEILING}")
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing uses right now (see ``distinct_free_ports``)."""
+    return distinct_free_ports(1)[0]
 
 
 def process_tree(pid: int) -> list[int]:

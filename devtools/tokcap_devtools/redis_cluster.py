@@ -10,14 +10,13 @@ about a second or two. Nodes are stopped by the PID they were started with.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import redis
 
+from tokcap_devtools.processes import distinct_free_ports
 from tokcap_devtools.redis_server import RedisServer, RedisServerUnavailable
 
 NODE_TIMEOUT_MS = 1000
@@ -126,14 +125,3 @@ class LocalCluster:
     def stop(self) -> None:
         for node in reversed(self.nodes):
             node.stop()
-
-
-def distinct_free_ports(count: int) -> list[int]:
-    """``count`` different ports nothing listens on now (all bound at once while chosen)."""
-    with ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
-        return ports

@@ -9,7 +9,6 @@ publish makes the worker publish a masked result that supersedes the first one.
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 import msgpack
@@ -28,6 +27,7 @@ from tests.support.rebuild import (
     stream_holds,
     wait_for,
 )
+from tests.support.servers import free_port
 from transports.rebuild.jobs import encode_job
 from transports.rebuild.reader import ResultsReader
 from transports.rebuild.results import SUPERSEDES_KEY
@@ -242,12 +242,6 @@ async def test_an_older_build_is_never_published_after_a_newer_one(
         assert fresh.fresh and fresh.ok and fresh.supersedes == ""
     finally:
         await worker.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def test_a_build_that_cannot_reach_the_store_is_retried_never_published(

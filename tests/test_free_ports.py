@@ -1,0 +1,36 @@
+"""The ports test servers listen on: free, distinct, and never one a client connection
+could take as its own source port (a loopback connection to such a port while its server
+starts can open to itself and hold the port)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tokcap_devtools import processes
+from tokcap_devtools.processes import distinct_free_ports, ephemeral_low, free_port
+
+
+def test_ports_lie_below_the_range_client_connections_take_theirs_from() -> None:
+    ports = [free_port() for _ in range(50)] + distinct_free_ports(20)
+    assert all(1024 < port < ephemeral_low() for port in ports)
+
+
+def test_distinct_ports_differ_and_each_can_be_bound() -> None:
+    ports = distinct_free_ports(12)
+    assert len(set(ports)) == 12
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", free_port()))
+        held.listen()
+        taken = held.getsockname()[1]
+        # The held port is the first candidate tried.
+        monkeypatch.setattr(processes.random, "shuffle", lambda ports: ports.sort(key=taken.__ne__))
+        ports = distinct_free_ports(3)
+    assert taken not in ports and len(set(ports)) == 3
