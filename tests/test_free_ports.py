@@ -1,6 +1,5 @@
-"""The ports test servers listen on: free, distinct, and never one a client connection
-could take as its own source port (a loopback connection to such a port while its server
-starts can open to itself and hold the port)."""
+"""The ports test servers listen on: free, distinct, and outside the range the kernel hands
+to any connect() or bind(0), so nothing can take one while its server is still starting."""
 
 from __future__ import annotations
 

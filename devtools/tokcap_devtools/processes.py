@@ -18,12 +18,12 @@ from pathlib import Path
 
 import httpx
 
-# Where test servers listen: below the kernel's ephemeral range, which is where every
-# client connection takes its own port. A server port inside that range can be taken, while
-# its server starts, by a loopback connection to it whose source port happens to equal it
-# (the connection then opens to itself): polling an engine for 80 s walks a thousand source
-# ports, and an SGLang once failed to bind its port that way. Also below 22000, where
-# SGLang picks its own torch.distributed port.
+# Where test servers listen: below the kernel's ephemeral range, from which every connect()
+# and bind(0) on the machine gets a port. A server port chosen inside that range is free only
+# until the kernel hands it to someone else: an engine that loads for a minute before it binds
+# found its port already taken (by a listener that accepted and never answered, as torch's
+# gloo listeners on kernel-chosen ports do, or by a loopback connection that opened to
+# itself) and exited. Also below 22000, where SGLang picks its own torch.distributed port.
 PORT_FLOOR, PORT_CEILING = 10000, 22000
 
 
