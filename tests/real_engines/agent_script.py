@@ -8,7 +8,8 @@ running ``ls`` where that is on offer); after a tool result, thinking and a
 final answer; otherwise thinking and a greeting (another one after an earlier reply, so a
 chat's turns differ). A prompt that holds ``FREE_MARK`` is not scripted at all. A prompt
 that holds ``SLOW_MARK`` asks the processor to hold its first
-step, as a long prefill under load would. Each scripted token is put just above the largest
+step, as a long prefill under load would; one that holds ``PACED_MARK`` holds every step a
+little, so a long free run lasts long enough, however fast the machine, to be cut. Each scripted token is put just above the largest
 logit for a greedy request, so its log-prob stays a real value of the model's, and far above
 it for a request sampled at a temperature, so the engine cannot miss it (``lift``).
 """
@@ -29,6 +30,10 @@ GREEDY_MARGIN = 2.0
 SAMPLED_LIFT = 50.0
 SLOW_MARK = "[slow prefill]"
 SLOW_PREFILL_S = 3.0
+# A prompt that holds it makes every engine step it is in last at least PACED_STEP_S: at most
+# 50 tokens a second, so a test can act while such a call is generating.
+PACED_MARK = "[paced]"
+PACED_STEP_S = 0.02
 # A prompt that holds it is left to the random model: a long free run (a call a weight
 # update can cut mid-generation), ended by ``max_tokens``.
 FREE_MARK = "[free run]"

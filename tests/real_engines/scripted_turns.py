@@ -19,7 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from agent_script import FREE, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, lift, script_name, target
+from agent_script import (
+    FREE,
+    PACED_MARK,
+    PACED_STEP_S,
+    SCRIPTS,
+    SLOW_MARK,
+    SLOW_PREFILL_S,
+    lift,
+    script_name,
+    target,
+)
 from tokenizers import Tokenizer
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -32,12 +42,13 @@ SAMPLING_EPS = 1e-5
 class Row:
     """One request in the batch: its scripted ids (None: a free run), its running output
     ids (vLLM's own list, which grows as it samples), whether its first step is still to be
-    held, and how far its scripted tokens are lifted."""
+    held, how far its scripted tokens are lifted, and whether each of its steps is held."""
 
     script: list[int] | None
     output: list[int]
     slow: bool
     lift: float
+    paced: bool
 
 
 class ScriptedTurns(LogitsProcessor):
@@ -60,12 +71,14 @@ class ScriptedTurns(LogitsProcessor):
         name = script_name(prompt or [], text)
         script = self.scripts.get(name) if name != FREE else None
         greedy = params.temperature < SAMPLING_EPS
-        return Row(script, output, SLOW_MARK in text, lift(greedy))
+        return Row(script, output, SLOW_MARK in text, lift(greedy), PACED_MARK in text)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.rows, batch_update, self._row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if any(row.paced for row in self.rows.values()):
+            time.sleep(PACED_STEP_S)  # once a step, however many paced rows it holds
         for index, row in self.rows.items():
             if row.slow:
                 row.slow = False

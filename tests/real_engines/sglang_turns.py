@@ -18,7 +18,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from agent_script import FREE, SCRIPTS, SLOW_MARK, SLOW_PREFILL_S, lift, script_name, target
+from agent_script import (
+    FREE,
+    PACED_MARK,
+    PACED_STEP_S,
+    SCRIPTS,
+    SLOW_MARK,
+    SLOW_PREFILL_S,
+    lift,
+    script_name,
+    target,
+)
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 
@@ -31,12 +41,14 @@ class ScriptedTurns(CustomLogitProcessor):
         text = request.tokenizer.decode(prompt, skip_special_tokens=False)
         if SLOW_MARK in text:
             time.sleep(SLOW_PREFILL_S)  # holds the whole engine step, as a long prefill would
+        request.paced = PACED_MARK in text
         name = script_name(prompt, text)
         if name == FREE:
             return []
         return request.tokenizer.encode(SCRIPTS[name], add_special_tokens=False)
 
     def __call__(self, logits: Any, custom_param_list: list[dict[str, Any]] | None = None) -> Any:
+        paced = False
         for row, params in enumerate(custom_param_list or []):
             request = (params or {}).get("__req__")
             if request is None:
@@ -44,8 +56,11 @@ class ScriptedTurns(CustomLogitProcessor):
             script = getattr(request, "scripted_ids", None)
             if script is None:  # once per request: its prompt does not change
                 script = request.scripted_ids = self._script(request)
+            paced = paced or request.paced
             if script:  # a free run ([] ids) is the model's own
                 # SGLang samples greedily at top_k 1 (temperature 0 is read as that).
                 margin = lift(greedy=request.sampling_params.top_k <= 1)
                 logits[row, target(script, len(request.output_ids))] = logits[row].max() + margin
+        if paced:
+            time.sleep(PACED_STEP_S)  # once a step, however many paced requests it holds
         return logits

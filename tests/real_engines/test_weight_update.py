@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from capture.records import version_spans
-from tests.real_engines.agent_script import FREE_MARK
+from tests.real_engines.agent_script import FREE_MARK, PACED_MARK
 from tests.real_engines.log_probs import assert_log_probs_vary
 from tests.real_engines.recording_proxy import recording_proxy
 from tests.real_engines.test_engines import PINNED, base, settings
@@ -32,9 +32,11 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 FAITHFUL = {"prompts": "faithful", "renderer": {"tokenizer": "qwen3"}}
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", re.M)
 GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.]+)$", re.M)
-# A random model rarely ends sooner, so the pause finds every call running; each call
-# sampled ~70 tokens by then, and the rest is the continuation (~20 s a call here).
-MAX_TOKENS = 1000
+# A random model rarely ends sooner. The calls are paced (at most 50 tokens a second: a
+# call of 1,000 tokens once ended before the test saw all three running, on a fast machine),
+# so each runs at least 12 s and the pause finds every call running; each call sampled
+# ~70 tokens by then, and the rest is the continuation.
+MAX_TOKENS = 600
 SAMPLED_BEFORE_PAUSE = 64  # tokens each call has sampled, at least, when the pause comes
 # The free runs are the random model's own draws at temperature 1 (greedy, it could repeat
 # one token); their log-probs are its own, varying values.
@@ -46,7 +48,9 @@ def _call(url: str, stream: bool, results: dict[str, Any], key: str) -> None:
     request = {
         "model": "m",
         "max_tokens": MAX_TOKENS,
-        "messages": [{"role": "user", "content": f"{FREE_MARK} Write a long essay, part {key}."}],
+        "messages": [
+            {"role": "user", "content": f"{FREE_MARK} {PACED_MARK} Write a long essay, part {key}."}
+        ],
     }
     try:
         if stream:
@@ -58,9 +62,10 @@ def _call(url: str, stream: bool, results: dict[str, Any], key: str) -> None:
         results[key] = exc
 
 
-def _metric(vllm: str, pattern: re.Pattern[str]) -> float:
-    found = pattern.search(httpx.get(vllm + "/metrics").text)
-    return float(found.group(1)) if found else 0.0
+def _metrics(vllm: str, *patterns: re.Pattern[str]) -> list[float]:
+    """The values of vLLM's metrics that ``patterns`` match, read from one answer."""
+    text = httpx.get(vllm + "/metrics").text
+    return [float(found.group(1)) if (found := p.search(text)) else 0.0 for p in patterns]
 
 
 def _io_stalled_s() -> float:
@@ -85,7 +90,8 @@ def _generating(
     ``sent`` to vLLM (its paths) showed."""
     deadline, stalled_before = time.monotonic() + 300, _io_stalled_s()
     while True:
-        running, generated = _metric(vllm, RUNNING), _metric(vllm, GENERATED) - generated_before
+        running, generated = _metrics(vllm, RUNNING, GENERATED)
+        generated -= generated_before
         if running >= calls and generated >= calls * SAMPLED_BEFORE_PAUSE:
             return
         if results or time.monotonic() >= deadline:
@@ -112,7 +118,7 @@ def test_vllm_paused_in_abort_mode_cuts_calls_that_tokcap_continues_whole(
             threading.Thread(target=_call, args=(base(front, key), stream, results, key))
             for key, stream in rollouts.items()
         ]
-        generated_before = _metric(vllm, GENERATED)
+        (generated_before,) = _metrics(vllm, GENERATED)
         for thread in threads:
             thread.start()
         # Each call has sampled some tokens when the pause comes.
