@@ -3,7 +3,9 @@ to any connect() or bind(0), so nothing can take one while its server is still s
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
+from multiprocessing.connection import Connection
 
 import pytest
 
@@ -30,6 +32,28 @@ def test_a_port_in_use_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
         held.listen()
         taken = held.getsockname()[1]
         # The held port is the first candidate tried.
-        monkeypatch.setattr(processes.random, "shuffle", lambda ports: ports.sort(key=taken.__ne__))
+        order = (4, iter([taken, *distinct_free_ports(3)]))
+        monkeypatch.setattr(processes, "_port_order", lambda pid: order)
         ports = distinct_free_ports(3)
     assert taken not in ports and len(set(ports)) == 3
+
+
+def test_one_process_gets_no_port_twice_before_it_tried_them_all() -> None:
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == 500
+
+
+def _ports_in_child(pipe: Connection) -> None:
+    pipe.send([free_port() for _ in range(5)])
+
+
+def test_a_forked_child_walks_its_own_order() -> None:
+    free_port()  # this process's order exists before the fork
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    process = multiprocessing.get_context("fork").Process(target=_ports_in_child, args=(child,))
+    process.start()
+    try:
+        theirs = parent.recv()
+    finally:
+        process.join(timeout=10)
+    assert theirs != [free_port() for _ in range(5)]

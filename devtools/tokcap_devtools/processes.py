@@ -7,6 +7,8 @@ PID it was started with: SIGTERM first, SIGKILL only if it does not go.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import os
 import random
 import signal
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,14 +37,23 @@ def ephemeral_low() -> int:
     return 32768
 
 
+@functools.cache
+def _port_order(pid: int) -> tuple[int, Iterator[int]]:
+    """How many candidate ports there are, and process ``pid``'s endless walk over them in
+    an order of its own: its successive servers never get one port twice before every
+    candidate was tried, and another process (a forked child too) walks another order."""
+    ports = list(range(PORT_FLOOR, min(PORT_CEILING, ephemeral_low())))
+    random.shuffle(ports)
+    return len(ports), itertools.cycle(ports)
+
+
 def distinct_free_ports(count: int) -> list[int]:
     """``count`` different ports on 127.0.0.1 that nothing uses now, none a client's
     ephemeral port (all held at once while chosen, so they differ)."""
-    candidates = list(range(PORT_FLOOR, min(PORT_CEILING, ephemeral_low())))
-    random.shuffle(candidates)
+    candidates, order = _port_order(os.getpid())
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
-        for port in candidates:
+        for port in itertools.islice(order, candidates):
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
                 sock.bind(("127.0.0.1", port))
