@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                 for workers in args.workers:
                     for loops in args.loops:
                         scenario(args, Path(tmp), loops, store, workers)
-        latency(args, Path(tmp))
+        if args.stream_calls > 0:  # 0: the load scenarios alone
+            latency(args, Path(tmp))
     return 0
 
 
