@@ -4,14 +4,15 @@ Imported by each engine's own logits processor (``scripted_turns`` for vLLM,
 ``sglang_turns`` for SGLang), inside that engine's process and venv, so it needs nothing but
 the standard library. A reply is chosen from the request's prompt: with tools on offer and
 no tool result yet, thinking and one hermes tool call (``list_files``, or the CLI's ``Bash``
-running ``ls`` where that is on offer); after a tool result, thinking and a
-final answer; otherwise thinking and a greeting (another one after an earlier reply, so a
-chat's turns differ). A prompt that holds ``FREE_MARK`` is not scripted at all. A prompt
-that holds ``SLOW_MARK`` asks the processor to hold its first
-step, as a long prefill under load would; one that holds ``PACED_MARK`` holds every step a
-little, so a long free run lasts long enough, however fast the machine, to be cut. Each scripted token is put just above the largest
-logit for a greedy request, so its log-prob stays a real value of the model's, and far above
-it for a request sampled at a temperature, so the engine cannot miss it (``lift``).
+running ``ls`` where that is on offer); after a tool result, thinking and a final answer;
+otherwise thinking and a greeting (another one after an earlier reply, so a chat's turns
+differ). A prompt that holds ``FREE_MARK`` is not scripted at all. A prompt that holds
+``SLOW_MARK`` asks the processor to hold its first step, as a long prefill under load would;
+one that holds ``PACED_MARK`` holds every step a little, so a long free run lasts long
+enough, however fast the machine, to be cut. Each scripted token is put just above the
+largest logit for a greedy request, so its log-prob stays a real value of the model's, and
+far above it for a request sampled at a temperature, so the engine cannot miss it
+(``lift``).
 """
 
 from __future__ import annotations
