@@ -36,7 +36,8 @@ class ScriptedTurns(CustomLogitProcessor):
     """Forces each request's scripted reply, token by token, then the end of the turn."""
 
     def _script(self, request: Any) -> list[int]:
-        """The request's scripted ids; a slow prefill is held here, at its first step."""
+        """The request's scripted ids; a slow prefill is held here, at its first step, and
+        whether each of its steps is to be held is noted on it (``request.paced``)."""
         prompt = list(request.origin_input_ids)
         text = request.tokenizer.decode(prompt, skip_special_tokens=False)
         if SLOW_MARK in text:
