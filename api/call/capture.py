@@ -99,10 +99,13 @@ def call_entry(
 
 
 def _prompt_for(generation: Generation, call: CallCapture) -> Sequence[int]:
+    """Packed for a sink that reads packed ids; a list for any other (``TokenEntry``'s
+    promise), also where the engine's reply was read packed (``api.engine.reply_ids``)."""
     packed = generation.prompt_packed
     if packed is not None and reads_packed_ids(call.sink):
         return PackedIds(packed)
-    return generation.prompt_token_ids or []
+    prompt = generation.prompt_token_ids or []
+    return prompt.tolist() if isinstance(prompt, PackedIds) else prompt
 
 
 def _signal_fields(generation: Generation) -> dict[str, Any]:

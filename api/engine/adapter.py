@@ -90,6 +90,9 @@ class EngineAdapter(Protocol):
     # The request field that leaves a prompt's first positions out of the routes returned
     # (vLLM 0.32's ``routed_experts_prompt_start``), or None where the engine has none.
     routes_start_field: str | None
+    # The chat reply's top-level field of prompt ids, read off the reply's bytes
+    # (``api.engine.reply_ids``), or None where the ids are elsewhere.
+    prompt_ids_key: str | None
     # kind (``HINT_KINDS``) -> the engine setting that fixes that kind of problem.
     hints: Mapping[str, str]
 

@@ -19,7 +19,7 @@ import numpy
 import orjson
 
 from api.engine.generation import Generation, served, with_changes
-from capture.codec.packed import pack_ids
+from capture.codec.packed import PackedIds, pack_ids
 
 
 def logprob_problem(value: Any) -> str | None:
@@ -105,6 +105,19 @@ def checked_ids(
     return None, f"{what} ids could not be packed"  # not reached: the loop names the id
 
 
+def _checked_packed(ids: PackedIds, vocab_size: int | None) -> tuple[bytes | None, str | None]:
+    """Ids read packed off the reply's bytes (``api.engine.reply_ids``): integers in uint32
+    by construction, so only the vocabulary is left to check."""
+    values = numpy.frombuffer(ids.data, dtype="<u4")
+    if vocab_size is None or int(values.max()) < vocab_size:
+        return ids.data, None
+    position = int(numpy.flatnonzero(values >= vocab_size)[0])
+    return None, (
+        f"prompt id {position} is {int(values[position])}, not below the vocabulary size "
+        f"{vocab_size} (model_server.vocab_size)"
+    )
+
+
 def _no_booleans(ids: list[Any]) -> bool:
     """Whether ids that packed as uint32 hold no boolean, in half the time of a type per id:
     orjson writes an integer as digits alone and a boolean as ``true`` or ``false``, both
@@ -137,11 +150,15 @@ def prompt_check(
     an absent list means."""
     if ids is None:
         return None, missing or "the engine returned no prompt ids"
-    if not isinstance(ids, list):
+    if not isinstance(ids, (list, PackedIds)):
         return None, "the prompt ids are not a list"
     if not ids:
         return None, "the prompt ids are empty; a rendered chat prompt has tokens"
-    packed, problem = checked_ids("prompt", ids, vocab_size)
+    packed, problem = (
+        _checked_packed(ids, vocab_size)
+        if isinstance(ids, PackedIds)
+        else checked_ids("prompt", ids, vocab_size)
+    )
     problem = problem or count_problem("prompt", len(ids), usage, "prompt_tokens")
     return (packed, None) if problem is None else (None, problem)
 

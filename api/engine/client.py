@@ -29,6 +29,7 @@ from api.engine.adapter import STREAM_PARAMS, EngineAdapter, IdsStream
 from api.engine.clamp import Clamp, after_refusal, clamped
 from api.engine.generation import Generation, UpstreamError, with_changes
 from api.engine.http import TRANSPORT_ERRORS, EngineHTTP, sse_chunk, sse_data
+from api.engine.reply_ids import loads_with_ids
 from api.engine.routes import with_routes
 from api.types import Delta
 
@@ -163,11 +164,14 @@ class UpstreamClient:
             raise _refusal(status, reply)
         return reply
 
-    async def post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """One POST of a JSON body; its JSON object reply, or an ``UpstreamError``."""
+    async def post(
+        self, path: str, body: Mapping[str, Any], ids_key: str | None = None
+    ) -> dict[str, Any]:
+        """One POST of a JSON body; its JSON object reply, or an ``UpstreamError``.
+        ``ids_key``: the reply's top-level id list, read off the bytes (``reply_ids``)."""
         reply = await self._taken(path, jsonbytes.dumps(body))  # ValueError for NaN
         try:
-            data = jsonbytes.loads(reply)
+            data = loads_with_ids(reply, ids_key) if ids_key else jsonbytes.loads(reply)
         except ValueError as exc:
             raise UpstreamError(502, "upstream answered with invalid JSON") from exc
         if not isinstance(data, dict):
@@ -329,10 +333,10 @@ class UpstreamClient:
         body, overridden, clamp = await self._chat_body(chat_request)
         adapter = self.adapter  # known once the engine was asked (``_chat_body``)
         try:
-            response = await self.post(adapter.chat_path, body)
+            response = await self.post(adapter.chat_path, body, adapter.prompt_ids_key)
         except UpstreamError as exc:
             clamp = after_refusal(exc, body, self.max_model_len, clamp)
-            response = await self.post(adapter.chat_path, body)
+            response = await self.post(adapter.chat_path, body, adapter.prompt_ids_key)
         generation = adapter.read_chat(response, overridden, self.vocab_size)
         if clamp is not None:
             generation = with_changes(generation, max_tokens_clamp=clamp)

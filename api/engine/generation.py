@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from capture.codec.packed import PackedIds
 from capture.codec.route_blocks import ChainedRoutes
 from capture.routes import Routes
 
@@ -35,7 +36,8 @@ class Generation:
     message: dict[str, Any]
     finish_reason: str | None
     stop_reason: Any
-    prompt_token_ids: list[int] | None
+    # A list, or ``PackedIds`` where the reply's bytes were read packed (``reply_ids``).
+    prompt_token_ids: list[int] | PackedIds | None
     generation_token_ids: list[int] | None
     generation_log_probs: list[float] | None
     # Why the ids cannot be captured (None when they can).

@@ -220,6 +220,7 @@ class SGLang:
     chat_path = CHAT_PATH
     routes_request = ROUTES_REQUEST
     routes_start_field = None  # SGLang 0.5.23 returns every position's routes
+    prompt_ids_key = None  # per choice, not at the top level
     hints = HINTS
 
     async def learn(self, ask: Ask, where: str) -> None:

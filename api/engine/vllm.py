@@ -281,6 +281,7 @@ class VLLM:
     # vLLM 0.32 ``SamplingParams.routed_experts_prompt_start`` (on its completion request):
     # the routes cover positions [start, tokens - 1); 0 <= start <= the prompt's length.
     routes_start_field = "routed_experts_prompt_start"
+    prompt_ids_key = "prompt_token_ids"  # ChatCompletionResponse's, top level
     hints = HINTS
 
     def __init__(self) -> None:

@@ -1,0 +1,88 @@
+"""A chat reply's prompt ids read off its bytes (``api.engine.reply_ids``): packed where
+that is certain to give what parsing gives, and the plain parse everywhere else."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import orjson
+import pytest
+
+from api.engine import vllm
+from api.engine.reply_ids import loads_with_ids
+from capture.codec.packed import PackedIds, pack_ids
+from tests.api.test_engine_adapters import fixture
+
+KEY = "prompt_token_ids"
+
+
+def with_prompt(text: str) -> bytes:
+    """A recorded vLLM chat reply whose prompt list is ``text`` as it stands in the bytes."""
+    reply = fixture("vllm-0.10.2-chat.json")
+    reply[KEY] = ["HOLE"]
+    return orjson.dumps(reply).replace(b'["HOLE"]', b"[" + text.encode() + b"]")
+
+
+def test_a_recorded_reply_reads_packed_and_otherwise_as_parsed() -> None:
+    raw = orjson.dumps(fixture("vllm-0.10.2-chat.json"))
+    read, parsed = loads_with_ids(raw, KEY), orjson.loads(raw)
+    assert isinstance(read[KEY], PackedIds)
+    assert read[KEY].tolist() == parsed[KEY]
+    assert {**read, KEY: None} == {**parsed, KEY: None}
+
+
+def test_random_prompts_read_exactly() -> None:
+    rng = random.Random(7)
+    for length in (1, 2, 9, 250, 16_000):
+        ids = [
+            rng.choice([0, 1, 9, 10, 151_668, 2**32 - 1, rng.randrange(2**17)])
+            for _ in range(length)
+        ]
+        read = loads_with_ids(with_prompt(",".join(map(str, ids))), KEY)
+        assert isinstance(read[KEY], PackedIds) and read[KEY].data == pack_ids(ids)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["1,true,3", "1,-2,3", "1,2.0,3", "1,2e3,3", "1, 2,3", "1,2,3 ", "4294967296"]
+    + ["99999999999999999999999", '1,"2"', "1,null", ""],
+    ids=["bool", "negative", "float", "exponent", "space", "trailing space", "beyond uint32"]
+    + ["beyond int64", "string", "null", "empty"],
+)
+def test_anything_but_plain_integers_is_parsed_as_it_is(text: str) -> None:
+    raw = with_prompt(text)
+    assert loads_with_ids(raw, KEY) == orjson.loads(raw)
+    assert not isinstance(loads_with_ids(raw, KEY)[KEY], PackedIds)
+
+
+@pytest.mark.parametrize("text", ["1,,2", ",1", "1,", "1;2", "01,2", "1,02", "1,00"])
+def test_a_list_that_is_not_json_is_refused_as_before(text: str) -> None:
+    with pytest.raises(ValueError):
+        loads_with_ids(with_prompt(text), KEY)
+
+
+def test_the_field_twice_or_not_at_the_top_is_parsed_as_it_is() -> None:
+    reply: dict[str, Any] = fixture("vllm-0.10.2-chat.json")
+    reply.pop(KEY)
+    nested = {"engine_extra": {KEY: [7, 8, 9]}, **reply, KEY: []}
+    raw = orjson.dumps(nested)  # the first, and only non-empty, list is not the reply's own
+    assert loads_with_ids(raw, KEY) == nested
+    inner = {**reply, "kv_transfer_params": {KEY: [7, 8, 9]}}
+    assert loads_with_ids(orjson.dumps(inner), KEY) == inner  # once, and nested
+    # A generated text naming the field: JSON escapes its quotes, so it never matches.
+    reply = fixture("vllm-0.10.2-chat.json")
+    reply["choices"][0]["message"]["content"] = '"prompt_token_ids":[1,2]'
+    read = loads_with_ids(orjson.dumps(reply), KEY)
+    assert isinstance(read[KEY], PackedIds) and read["choices"] == reply["choices"]
+
+
+def test_a_packed_read_checks_as_the_parsed_list_does() -> None:
+    reply = fixture("vllm-0.10.2-chat.json")
+    read = loads_with_ids(orjson.dumps(reply), KEY)
+    packed, parsed = vllm.read_chat(read), vllm.read_chat(reply)
+    assert packed.ids_problem is None and packed.prompt_packed == parsed.prompt_packed
+    largest = max(reply[KEY])
+    packed, parsed = (vllm.read_chat(r, vocab_size=largest) for r in (read, reply))
+    assert packed.ids_problem == parsed.ids_problem
+    assert packed.ids_problem is not None and "vocabulary size" in packed.ids_problem
