@@ -44,7 +44,7 @@ PROBES: list[tuple[str, str, str, str]] = [
     ("api.engine.client", "UpstreamClient._chat_body", "engine body", "async"),
     ("api.jsonbytes", "dumps", "encode engine body", "inner"),
     ("api.engine.http", "EngineHTTP._post_once", "engine send/receive", "async"),
-    ("api.engine.reply_ids", "loads_with_ids", "decode engine reply", "sync"),
+    ("api.engine.client", "loads_with_ids", "decode engine reply", "sync"),
     ("api.jsonbytes", "loads", "decode engine reply", "inner"),
     ("api.engine.vllm", "VLLM.read_chat", "read ids + checks", "sync"),
     ("api.call.capture", "output_items", "entry (items, fields)", "sync"),
