@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from api.call.collisions import CollisionWatch
 from api.call.policy import PolicyVersion, policy_version_route
-from api.call.routes import count_tokens, model_route, models
+from api.call.routes import OwnBodyRoute, count_tokens, model_route, models
 from api.call.updates import WeightUpdates, pause_route, resume_route
 from api.dialects import DIALECTS, anthropic
 from api.edge import status
@@ -60,6 +60,11 @@ async def _start_sink(settings: ServerSettings) -> tuple[TokenSink | None, bool]
         await sink.start()
     return sink, owned
 
+
+# FastAPI's own OpenTelemetry (0.16x) is off: the front end's metrics are Prometheus'
+# (``api.edge.metrics``), and FastAPI would ask the OpenTelemetry providers on every request.
+# An older FastAPI keeps the setting as an unused extra.
+NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
 # Full collections ten times rarer than Python's default: each walks every call in flight
 # (about 50 ms of event-loop stall at 1,000 loops), and a call's objects die by reference
@@ -125,17 +130,19 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/tokcap/pause", pause_route, methods=["POST"], include_in_schema=False)
     app.add_api_route("/tokcap/resume", resume_route, methods=["POST"], include_in_schema=False)
     for dialect in DIALECTS.values():
-        app.add_api_route(
+        app.router.add_api_route(
             dialect.PATH,
             model_route(dialect),
             methods=["POST"],
             openapi_extra=_request_body(dialect.REQUEST_SCHEMA),
+            route_class_override=OwnBodyRoute,
         )
-    app.add_api_route(
+    app.router.add_api_route(
         "/v1/messages/count_tokens",
         count_tokens,
         methods=["POST"],
         openapi_extra=_request_body(anthropic.COUNT_SCHEMA),
+        route_class_override=OwnBodyRoute,
     )
 
 
@@ -153,6 +160,7 @@ def create_app(settings: ServerSettings | None = None, *, own_process: bool = Fa
         title="tokcap front end",
         version="0.1.0",
         lifespan=functools.partial(_lifespan, front=front, own_process=own_process),
+        telemetry=NO_TELEMETRY,
         **pages,
     )
     app.state.front_end = front

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 
 from api.call.serve import serve_call
 from api.dialects import anthropic, chat
@@ -79,6 +80,16 @@ async def count_tokens(request: Request) -> Response:
     except UpstreamError as exc:
         return error_response(anthropic, exc.status, exc.message)
     return JSONResponse({"input_tokens": len(ids)})
+
+
+class OwnBodyRoute(APIRoute):
+    """A route whose endpoint takes the request alone and reads its body itself (model calls,
+    token counting). FastAPI's request handler (dependencies, body parsing, a response
+    model) has nothing to do for it and cost about 20 µs a call doing it; the route stays
+    an ``APIRoute``, so its OpenAPI entry does too."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        return self.endpoint
 
 
 def model_route(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
