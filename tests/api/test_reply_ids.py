@@ -10,45 +10,59 @@ import orjson
 import pytest
 
 from api.engine import vllm
-from api.engine.reply_ids import loads_with_ids
+from api.engine.reply_ids import FAST_FROM_BYTES, loads_with_ids
 from capture.codec.packed import PackedIds, pack_ids
 from tests.api.test_engine_adapters import fixture
 
 KEY = "prompt_token_ids"
 
 
-def with_prompt(text: str) -> bytes:
-    """A recorded vLLM chat reply whose prompt list is ``text`` as it stands in the bytes."""
+# Ids enough for the fast read to apply (``FAST_FROM_BYTES``) after the ones a test is about.
+LONG = ",".join(["151643"] * (FAST_FROM_BYTES // 6))
+
+
+def with_prompt(text: str, rest: str = LONG) -> bytes:
+    """A recorded vLLM chat reply whose prompt list is ``text`` then ``rest``, as they stand
+    in the bytes."""
     reply = fixture("vllm-0.10.2-chat.json")
     reply[KEY] = ["HOLE"]
-    return orjson.dumps(reply).replace(b'["HOLE"]', b"[" + text.encode() + b"]")
+    listed = ",".join(part for part in (text, rest) if part)
+    return orjson.dumps(reply).replace(b'["HOLE"]', b"[" + listed.encode() + b"]")
 
 
-def test_a_recorded_reply_reads_packed_and_otherwise_as_parsed() -> None:
-    raw = orjson.dumps(fixture("vllm-0.10.2-chat.json"))
+def test_a_long_prompt_reads_packed_and_the_rest_as_parsed() -> None:
+    raw = with_prompt("")
     read, parsed = loads_with_ids(raw, KEY), orjson.loads(raw)
     assert isinstance(read[KEY], PackedIds)
     assert read[KEY].tolist() == parsed[KEY]
     assert {**read, KEY: None} == {**parsed, KEY: None}
 
 
+def test_a_short_prompt_is_parsed_as_it_is() -> None:
+    raw = orjson.dumps(fixture("vllm-0.10.2-chat.json"))
+    assert type(loads_with_ids(raw, KEY)[KEY]) is list
+    raw = with_prompt("1,2", rest=",".join(["1"] * (FAST_FROM_BYTES // 2 - 10)))
+    assert len(raw) > FAST_FROM_BYTES and type(loads_with_ids(raw, KEY)[KEY]) is list
+    assert loads_with_ids(with_prompt("", rest="") + b" " * FAST_FROM_BYTES, KEY)[KEY] == []
+
+
 def test_random_prompts_read_exactly() -> None:
     rng = random.Random(7)
-    for length in (1, 2, 9, 250, 16_000):
+    for length in (6_000, 16_000, 40_000):
         ids = [
             rng.choice([0, 1, 9, 10, 151_668, 2**32 - 1, rng.randrange(2**17)])
             for _ in range(length)
         ]
-        read = loads_with_ids(with_prompt(",".join(map(str, ids))), KEY)
+        read = loads_with_ids(with_prompt(",".join(map(str, ids)), rest=""), KEY)
         assert isinstance(read[KEY], PackedIds) and read[KEY].data == pack_ids(ids)
 
 
 @pytest.mark.parametrize(
     "text",
     ["1,true,3", "1,-2,3", "1,2.0,3", "1,2e3,3", "1, 2,3", "1,2,3 ", "4294967296"]
-    + ["99999999999999999999999", '1,"2"', "1,null", ""],
+    + ["99999999999999999999999", '1,"2"', "1,null"],
     ids=["bool", "negative", "float", "exponent", "space", "trailing space", "beyond uint32"]
-    + ["beyond int64", "string", "null", "empty"],
+    + ["beyond int64", "string", "null"],
 )
 def test_anything_but_plain_integers_is_parsed_as_it_is(text: str) -> None:
     raw = with_prompt(text)
@@ -63,15 +77,15 @@ def test_a_list_that_is_not_json_is_refused_as_before(text: str) -> None:
 
 
 def test_the_field_twice_or_not_at_the_top_is_parsed_as_it_is() -> None:
-    reply: dict[str, Any] = fixture("vllm-0.10.2-chat.json")
-    reply.pop(KEY)
-    nested = {"engine_extra": {KEY: [7, 8, 9]}, **reply, KEY: []}
+    reply: dict[str, Any] = orjson.loads(with_prompt(""))
+    long = reply.pop(KEY)
+    nested = {"engine_extra": {KEY: [7, 8, 9, *long]}, **reply, KEY: []}
     raw = orjson.dumps(nested)  # the first, and only non-empty, list is not the reply's own
     assert loads_with_ids(raw, KEY) == nested
-    inner = {**reply, "kv_transfer_params": {KEY: [7, 8, 9]}}
+    inner = {**reply, "kv_transfer_params": {KEY: long}}
     assert loads_with_ids(orjson.dumps(inner), KEY) == inner  # once, and nested
     # A generated text naming the field: JSON escapes its quotes, so it never matches.
-    reply = fixture("vllm-0.10.2-chat.json")
+    reply = orjson.loads(with_prompt(""))
     reply["choices"][0]["message"]["content"] = '"prompt_token_ids":[1,2]'
     read = loads_with_ids(orjson.dumps(reply), KEY)
     assert isinstance(read[KEY], PackedIds) and read["choices"] == reply["choices"]
@@ -79,7 +93,10 @@ def test_the_field_twice_or_not_at_the_top_is_parsed_as_it_is() -> None:
 
 def test_a_packed_read_checks_as_the_parsed_list_does() -> None:
     reply = fixture("vllm-0.10.2-chat.json")
+    reply[KEY] = [*reply[KEY], *orjson.loads(f"[{LONG}]")]
+    reply["usage"]["prompt_tokens"] = len(reply[KEY])
     read = loads_with_ids(orjson.dumps(reply), KEY)
+    assert isinstance(read[KEY], PackedIds)
     packed, parsed = vllm.read_chat(read), vllm.read_chat(reply)
     assert packed.ids_problem is None and packed.prompt_packed == parsed.prompt_packed
     largest = max(reply[KEY])
