@@ -35,8 +35,7 @@ from pathlib import Path
 import httpx
 
 from bench.bench_engine import prompt_of
-from bench.bench_frontend import cpu_seconds as tick_cpu_seconds
-from bench.bench_frontend import percentiles
+from bench.bench_frontend import cpu_seconds, percentiles
 from tests.support.servers import free_port, run_process
 
 SCRIPT = """
@@ -171,18 +170,6 @@ def run(
         for mode in MODES:
             measured = index >= WARMUP_TURNS
             turn(client, rollouts[mode], mode, engine_pid, result, measured)
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of a process, in nanoseconds' resolution (Linux schedstat;
-    the tick counters of /proc/<pid>/stat where it is unavailable)."""
-    total = 0
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            total += int((task / "schedstat").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return tick_cpu_seconds(pid)
-    return total / 1e9
 
 
 def diff(a: list[float], b: list[float]) -> list[float]:

@@ -13,8 +13,9 @@ wall clock). A figure, never a test assertion.
 of each step of a captured call (parse, translate, traits, engine body, send/receive, decode,
 read ids, entry, pack and hash, store put, intent, reply), what no step covers (HTTP server
 and client protocols, middleware, event loop, thread hops) and the process's CPU during the
-call; these totals are measured in the server, per call, and are steadier than the
-/proc figures above, which count 10 ms ticks.
+call; these totals are measured in the server, per call, and name the steps, but the
+probes add their own cost. The figures above are each process's schedstat (every thread,
+nanoseconds; no probes).
 
 ``--shape claude-code`` sends a request shaped as the Claude Code CLI sends one mid-loop
 (its tools, system blocks and tool rounds) instead of one long user message.
@@ -150,6 +151,18 @@ def percentiles(values: list[float]) -> tuple[float, float]:
 
 
 def cpu_seconds(pid: int) -> float:
+    """CPU time of every live thread of a process so far, in nanoseconds' resolution (Linux
+    schedstat); the tick counters of /proc/<pid>/stat (10 ms) where it is unavailable."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return tick_cpu_seconds(pid)
+    return total / 1e9
+
+
+def tick_cpu_seconds(pid: int) -> float:
     """User + system CPU of a process so far (Linux /proc; 0 where it is unavailable)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
