@@ -115,20 +115,7 @@ async def _lifespan(app: FastAPI, front: FrontEnd, own_process: bool) -> AsyncIt
 
 
 def _add_routes(app: FastAPI) -> None:
-    for path in ("/", "/v1"):
-        app.add_api_route(path, status.base_path, methods=["GET", "HEAD"], include_in_schema=False)
-    app.add_api_route("/health", status.health, methods=["GET"])
-    app.add_api_route("/ready", status.ready, methods=["GET"])
-    app.add_api_route("/metrics", status.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route(
-        "/tokcap/policy_version",
-        policy_version_route,
-        methods=["GET", "PUT"],
-        include_in_schema=False,
-    )
-    app.add_api_route("/tokcap/pause", pause_route, methods=["POST"], include_in_schema=False)
-    app.add_api_route("/tokcap/resume", resume_route, methods=["POST"], include_in_schema=False)
+    """Model calls first: a request walks the routes in order, and nearly all are those."""
     for dialect in DIALECTS.values():
         app.router.add_api_route(
             dialect.PATH,
@@ -144,6 +131,20 @@ def _add_routes(app: FastAPI) -> None:
         openapi_extra=_request_body(anthropic.COUNT_SCHEMA),
         route_class_override=OwnBodyRoute,
     )
+    for path in ("/", "/v1"):
+        app.add_api_route(path, status.base_path, methods=["GET", "HEAD"], include_in_schema=False)
+    app.add_api_route("/health", status.health, methods=["GET"])
+    app.add_api_route("/ready", status.ready, methods=["GET"])
+    app.add_api_route("/metrics", status.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route(
+        "/tokcap/policy_version",
+        policy_version_route,
+        methods=["GET", "PUT"],
+        include_in_schema=False,
+    )
+    app.add_api_route("/tokcap/pause", pause_route, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/tokcap/resume", resume_route, methods=["POST"], include_in_schema=False)
 
 
 def create_app(settings: ServerSettings | None = None, *, own_process: bool = False) -> FastAPI:
