@@ -28,8 +28,8 @@ from api.engine import FAMILIES, detect, engine_family
 from api.engine.adapter import STREAM_PARAMS, EngineAdapter, IdsStream
 from api.engine.clamp import Clamp, after_refusal, clamped
 from api.engine.generation import Generation, UpstreamError, with_changes
-from api.engine.http import TRANSPORT_ERRORS, EngineHTTP, sse_chunk, sse_data
-from api.engine.reply_ids import loads_with_ids
+from api.engine.http import ROUTING_KEY, TRANSPORT_ERRORS, EngineHTTP, sse_chunk, sse_data
+from api.engine.reply_ids import SpanMemo, loads_with_ids
 from api.engine.routes import with_routes
 from api.types import Delta
 
@@ -135,6 +135,8 @@ class UpstreamClient:
         self.max_model_len: int | None = None
         self._learn_lock = asyncio.Lock()
         self._learned = False
+        # Each rollout's last prompt ids as the engine sent them (``reply_ids.SpanMemo``).
+        self._spans = SpanMemo()
 
     @classmethod
     def from_settings(cls, settings: Any, engine: Any = None) -> UpstreamClient:
@@ -171,7 +173,11 @@ class UpstreamClient:
         ``ids_key``: the reply's top-level id list, read off the bytes (``reply_ids``)."""
         reply = await self._taken(path, jsonbytes.dumps(body))  # ValueError for NaN
         try:
-            data = loads_with_ids(reply, ids_key) if ids_key else jsonbytes.loads(reply)
+            data = (
+                loads_with_ids(reply, ids_key, self._spans, ROUTING_KEY.get())
+                if ids_key
+                else jsonbytes.loads(reply)
+            )
         except ValueError as exc:
             raise UpstreamError(502, "upstream answered with invalid JSON") from exc
         if not isinstance(data, dict):

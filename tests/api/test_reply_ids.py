@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from api.engine import vllm
-from api.engine.reply_ids import FAST_FROM_BYTES, loads_with_ids
+from api.engine.reply_ids import FAST_FROM_BYTES, SpanMemo, loads_with_ids
 from capture.codec.packed import PackedIds, pack_ids
 from tests.api.test_engine_adapters import fixture
 
@@ -103,3 +103,63 @@ def test_a_packed_read_checks_as_the_parsed_list_does() -> None:
     packed, parsed = (vllm.read_chat(r, vocab_size=largest) for r in (read, reply))
     assert packed.ids_problem == parsed.ids_problem
     assert packed.ids_problem is not None and "vocabulary size" in packed.ids_problem
+
+
+# -- a rollout's next prompt: the ids its last one shares are taken, not parsed ----------------
+
+
+def prompt_reply(ids: list[int]) -> bytes:
+    return with_prompt(",".join(map(str, ids)), rest="")
+
+
+def variants(rng: random.Random, old: list[int]) -> dict[str, list[int]]:
+    """Next prompts as a rollout makes them, and as it might not."""
+    more = [rng.randrange(151_000) for _ in range(300)]
+    cut = rng.randrange(len(old) * 2 // 3, len(old) - 1)
+    last = old[-1]
+    return {
+        "same": old,
+        "extended": old + more,
+        "last number goes on": old[:-1] + [last * 10 + 7 if last < 10**8 else 1] + more,
+        "diverges": old[:cut] + [old[cut] + 1] + more,
+        "shorter": old[:cut],
+        "first differs": [old[0] + 1] + old[1:],
+        "all new": more * 12,
+    }
+
+
+def test_a_rollouts_next_prompt_reads_exactly_whatever_it_shares() -> None:
+    rng = random.Random(11)
+    for _ in range(20):
+        old = [rng.choice([0, 1, 10, 151_643, rng.randrange(151_000)]) for _ in range(9_000)]
+        for name, new in variants(rng, old).items():
+            memo = SpanMemo()
+            loads_with_ids(prompt_reply(old), KEY, memo, "r")
+            read = loads_with_ids(prompt_reply(new), KEY, memo, "r")
+            assert isinstance(read[KEY], PackedIds) and read[KEY].data == pack_ids(new), name
+
+
+def test_the_shared_ids_come_from_the_memo_and_the_rest_is_checked() -> None:
+    old = [151_643] * 4_000
+    memo = SpanMemo()
+    loads_with_ids(prompt_reply(old), KEY, memo, "r")
+    span, packed = memo.get("r")
+    memo.keep("r", span, pack_ids([7] * 4_000))  # what the memo says the bytes held
+    read = loads_with_ids(prompt_reply(old + [5]), KEY, memo, "r")
+    assert read[KEY].tolist() == [7] * 4_000 + [5]
+    raw = prompt_reply(old).replace(b"151643]", b"1.5]")  # a bad id after the shared ones
+    assert loads_with_ids(raw, KEY, memo, "r") == orjson.loads(raw)
+    assert loads_with_ids(prompt_reply(old), KEY, memo, "other")[KEY].data == packed
+
+
+def test_the_memo_keeps_to_its_budget_least_recently_used_first_out() -> None:
+    memo = SpanMemo(budget=100)
+    memo.keep("a", b"1" * 30, b"x" * 20)
+    memo.keep("b", b"2" * 30, b"y" * 20)
+    assert memo.held == 100 and memo.get("a") is not None
+    memo.keep("c", b"3" * 10, b"z" * 10)
+    assert memo.get("a") is None and memo.get("b") is not None and memo.held == 70
+    memo.keep("b", b"2" * 5, b"y" * 4)
+    assert memo.held == 29
+    memo.keep("d", b"4" * 200, b"w" * 4)  # more than the budget alone: nothing is kept
+    assert memo.held == 0 and memo.get("c") is None and memo.get("d") is None
