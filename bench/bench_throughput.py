@@ -1,0 +1,146 @@
+"""One worker's throughput on captured calls at a 16k-token prompt, under load. A figure,
+never a test assertion.
+
+``bench_frontend`` sends one call at a time, so every call finds the front end's caches cold
+(the engine ran in between), and its CPU per call is a worst case. Here the front end is
+the only real work: an engine stand-in (``bench/replay_engine.py``) answers each chat call
+at once with the bytes the tokcap engine answered the same request with, and ``--loops``
+harness loops, each on a rollout of its own, send the captured Anthropic call back to back
+for ``--seconds``. Printed per front end: captured calls per second, the front end's CPU per
+call (schedstat, every thread) and the share of a core it used, so ``1000 / ms a call`` is
+what one worker carries when it has a core to itself. Every call is checked to be a 200;
+the stand-in's counts show that the engine saw each distinct request once.
+
+``--baseline-src DIR`` also runs a front end from another checkout (same interpreter, same
+stand-in), in alternating rounds with this tree's.
+
+    .venv/bin/python -m bench.bench_throughput --loops 16 --seconds 10   # from the repo root
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+from bench.bench_frontend import CONFIG, bodies_of, cpu_seconds
+from tests.support.servers import free_port, run_process
+
+REPLAY = str(Path(__file__).with_name("replay_engine.py"))
+
+
+@contextlib.contextmanager
+def engine_stand_in(tmp: Path) -> Iterator[str]:
+    """The tokcap engine behind the replaying stand-in; yields the stand-in's URL."""
+    engine_port, replay_port = free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    replay = f"http://127.0.0.1:{replay_port}"
+    engine_cmd = [sys.executable, "-m", "tokcap_devtools.engine.cli", "--port", str(engine_port)]
+    replay_cmd = [sys.executable, REPLAY, "--port", str(replay_port), "--upstream", engine]
+    with (
+        run_process(engine_cmd, ready_url=engine + "/health"),
+        run_process(replay_cmd, ready_url=replay + "/health"),
+    ):
+        yield replay
+
+
+@contextlib.contextmanager
+def front_end(name: str, tmp: Path, upstream: str, src: str | None) -> Iterator[tuple[str, int]]:
+    """A one-worker front end (file store, fsync on) on ``upstream``; yields (URL, PID)."""
+    config = tmp / f"{name}.yaml"
+    config.write_text(CONFIG.format(dir=tmp / f"captures-{name}"))
+    env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": src} if src else None
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokcap.commands.serve", "--config", str(config)]
+    cmd += ["--upstream", upstream, "--port", str(port), "--log-level", "warning"]
+    url = f"http://127.0.0.1:{port}"
+    with run_process(cmd, ready_url=url + "/health", env=env) as proc:
+        yield url, proc.pid
+
+
+async def load(front: str, name: str, body: bytes, loops: int, seconds: float) -> int:
+    """``loops`` concurrent loops, each on its rollout, for ``seconds``; the calls answered."""
+    headers = {"content-type": "application/json", "x-api-key": "bench"}
+    done = 0
+
+    async def one_loop(session: aiohttp.ClientSession, index: int, until: float) -> None:
+        nonlocal done
+        url = f"{front}/ng-rollout/{name}-{index}/training-token-capture/v1/messages"
+        while time.monotonic() < until:
+            async with session.post(url, data=body, headers=headers) as reply:
+                await reply.read()
+                if reply.status != 200:
+                    raise RuntimeError(f"{url}: {reply.status}")
+            done += 1
+
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        until = time.monotonic() + seconds
+        await asyncio.gather(*(one_loop(session, index, until) for index in range(loops)))
+    return done
+
+
+def round_of(front: tuple[str, int], name: str, body: bytes, args: Any) -> dict[str, float]:
+    url, pid = front
+    asyncio.run(load(url, name, body, args.loops, 1.0))  # warm: each rollout seen, replies kept
+    cpu, started = cpu_seconds(pid), time.perf_counter()
+    calls = asyncio.run(load(url, name, body, args.loops, args.seconds))
+    wall, used = time.perf_counter() - started, cpu_seconds(pid) - cpu
+    return {"calls_s": calls / wall, "ms_call": used * 1000 / calls, "core": used / wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loops", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=16000)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--shape", choices=["text", "claude-code"], default="text")
+    parser.add_argument("--baseline-src", default=None)
+    args = parser.parse_args(argv)
+    _, front_body = bodies_of(args.shape, args.prompt_tokens, args.max_tokens)
+    body = httpx.Request("POST", "http://x", json=front_body).content
+    results: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        replay = stack.enter_context(engine_stand_in(Path(tmp)))
+        fronts: dict[str, tuple[str, int]] = {}
+        if args.baseline_src:
+            src = os.path.abspath(args.baseline_src)
+            fronts["before"] = stack.enter_context(front_end("before", Path(tmp), replay, src))
+        name = "after" if args.baseline_src else "this"
+        fronts[name] = stack.enter_context(front_end(name, Path(tmp), replay, None))
+        for round_index in range(args.rounds):
+            for name, front in fronts.items():
+                results.setdefault(name, []).append(
+                    round_of(front, f"{name}{round_index}", body, args)
+                )
+        stats = httpx.get(replay + "/replay/stats").json()
+    print(
+        f"{args.shape} body {len(body)} bytes, {args.loops} loops, {args.rounds} rounds of "
+        f"{args.seconds:g} s; engine stand-in: {stats['replayed']} replayed, "
+        f"{stats['passed']} passed to the engine"
+    )
+    print(f"{'front end':8s} {'calls/s':>9s} {'CPU ms a call':>14s} {'core used':>10s}  (medians)")
+    for name, rounds in results.items():
+        calls_s = statistics.median(r["calls_s"] for r in rounds)
+        ms_call = statistics.median(r["ms_call"] for r in rounds)
+        core = statistics.median(r["core"] for r in rounds)
+        print(f"{name:8s} {calls_s:9.1f} {ms_call:14.3f} {core:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
