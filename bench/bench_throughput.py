@@ -8,7 +8,8 @@ at once with the bytes the tokcap engine answered the same request with, and ``-
 harness loops, each on a rollout of its own, send the captured Anthropic call back to back
 for ``--seconds``. Printed per front end: captured calls per second, the front end's CPU per
 call (schedstat, every thread) and the share of a core it used, so ``1000 / ms a call`` is
-what one worker carries when it has a core to itself. Every call is checked to be a 200;
+what one worker carries when it has a core to itself; ``--untagged`` also runs the same
+calls off the capture path, to tell serving from capturing. Every call is checked to be a 200;
 the stand-in's counts show that the engine saw each distinct request once.
 
 ``--baseline-src DIR`` also runs a front end from another checkout (same interpreter, same
@@ -38,6 +39,7 @@ from bench.bench_frontend import CONFIG, bodies_of, cpu_seconds
 from tests.support.servers import free_port, run_process
 
 REPLAY = str(Path(__file__).with_name("replay_engine.py"))
+KINDS = ("captured", "untagged")
 
 
 @contextlib.contextmanager
@@ -69,14 +71,18 @@ def front_end(name: str, tmp: Path, upstream: str, src: str | None) -> Iterator[
         yield url, proc.pid
 
 
-async def load(front: str, name: str, body: bytes, loops: int, seconds: float) -> int:
-    """``loops`` concurrent loops, each on its rollout, for ``seconds``; the calls answered."""
+async def load(
+    front: str, name: str, body: bytes, loops: int, seconds: float, captured: bool = True
+) -> int:
+    """``loops`` concurrent loops, each on its rollout (or untagged, not captured), for
+    ``seconds``; the calls answered."""
     headers = {"content-type": "application/json", "x-api-key": "bench"}
     done = 0
 
     async def one_loop(session: aiohttp.ClientSession, index: int, until: float) -> None:
         nonlocal done
-        url = f"{front}/ng-rollout/{name}-{index}/training-token-capture/v1/messages"
+        prefix = f"/ng-rollout/{name}-{index}/training-token-capture" if captured else ""
+        url = f"{front}{prefix}/v1/messages"
         while time.monotonic() < until:
             async with session.post(url, data=body, headers=headers) as reply:
                 await reply.read()
@@ -92,11 +98,14 @@ async def load(front: str, name: str, body: bytes, loops: int, seconds: float) -
     return done
 
 
-def round_of(front: tuple[str, int], name: str, body: bytes, args: Any) -> dict[str, float]:
+def round_of(
+    front: tuple[str, int], name: str, body: bytes, args: Any, captured: bool
+) -> dict[str, float]:
     url, pid = front
-    asyncio.run(load(url, name, body, args.loops, 1.0))  # warm: each rollout seen, replies kept
+    # Warm: each rollout seen, the stand-in's replies kept.
+    asyncio.run(load(url, name, body, args.loops, 1.0, captured))
     cpu, started = cpu_seconds(pid), time.perf_counter()
-    calls = asyncio.run(load(url, name, body, args.loops, args.seconds))
+    calls = asyncio.run(load(url, name, body, args.loops, args.seconds, captured))
     wall, used = time.perf_counter() - started, cpu_seconds(pid) - cpu
     return {"calls_s": calls / wall, "ms_call": used * 1000 / calls, "core": used / wall}
 
@@ -110,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--shape", choices=["text", "claude-code"], default="text")
     parser.add_argument("--baseline-src", default=None)
+    parser.add_argument("--untagged", action="store_true", help="also untagged calls (no capture)")
     args = parser.parse_args(argv)
     _, front_body = bodies_of(args.shape, args.prompt_tokens, args.max_tokens)
     body = httpx.Request("POST", "http://x", json=front_body).content
@@ -124,21 +134,22 @@ def main(argv: list[str] | None = None) -> int:
         fronts[name] = stack.enter_context(front_end(name, Path(tmp), replay, None))
         for round_index in range(args.rounds):
             for name, front in fronts.items():
-                results.setdefault(name, []).append(
-                    round_of(front, f"{name}{round_index}", body, args)
-                )
+                for kind in KINDS if args.untagged else KINDS[:1]:
+                    results.setdefault(f"{name}, {kind}", []).append(
+                        round_of(front, f"{name}{round_index}", body, args, kind == "captured")
+                    )
         stats = httpx.get(replay + "/replay/stats").json()
     print(
         f"{args.shape} body {len(body)} bytes, {args.loops} loops, {args.rounds} rounds of "
         f"{args.seconds:g} s; engine stand-in: {stats['replayed']} replayed, "
         f"{stats['passed']} passed to the engine"
     )
-    print(f"{'front end':8s} {'calls/s':>9s} {'CPU ms a call':>14s} {'core used':>10s}  (medians)")
+    print(f"{'front end':18s} {'calls/s':>9s} {'CPU ms a call':>14s} {'core used':>10s}  (medians)")
     for name, rounds in results.items():
         calls_s = statistics.median(r["calls_s"] for r in rounds)
         ms_call = statistics.median(r["ms_call"] for r in rounds)
         core = statistics.median(r["core"] for r in rounds)
-        print(f"{name:8s} {calls_s:9.1f} {ms_call:14.3f} {core:10.2f}")
+        print(f"{name:18s} {calls_s:9.1f} {ms_call:14.3f} {core:10.2f}")
     return 0
 
 
