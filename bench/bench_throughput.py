@@ -9,7 +9,10 @@ harness loops, each on a rollout of its own, send the captured Anthropic call ba
 for ``--seconds``. Printed per front end: captured calls per second, the front end's CPU per
 call (schedstat, every thread) and the share of a core it used, so ``1000 / ms a call`` is
 what one worker carries when it has a core to itself; ``--untagged`` also runs the same
-calls off the capture path, to tell serving from capturing. Every call is checked to be a 200;
+calls off the capture path, to tell serving from capturing. By default each loop repeats one
+body on its rollout, so a rollout's next prompt shares every id with its last (the best
+case of ``api.engine.reply_ids.SpanMemo``); ``--grow K`` sends rollouts of K calls whose
+conversation grows as a tool loop's does, from half of ``--prompt-tokens`` to all of it. Every call is checked to be a 200;
 the stand-in's counts show that the engine saw each distinct request once.
 
 ``--baseline-src DIR`` also runs a front end from another checkout (same interpreter, same
@@ -23,7 +26,8 @@ in the same run, 2.05 ms (506/s) -> 1.36 ms (773/s); against bdbf551 (ids read p
 memo) 1.66 ms (634/s) -> 1.35 ms (784/s), this bench repeating each rollout's prompt (the
 memo's best case). The Claude Code shape at 15.6k tokens, 3.02 ms (336/s) -> 1.85 ms (553/s).
 At 210 tokens (32 loops): captured 1.01 -> 0.95 ms, untagged 0.40 -> 0.36 ms, so capturing
-is about 0.6 ms of a short call.
+is about 0.6 ms of a short call. ``--grow 16`` (8k to 16k tokens): 1.68 ms (619/s) -> 1.31 ms
+(808/s) against ab8c7f4, 1.44 ms (735/s) -> 1.30 ms (810/s) against bdbf551.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from bench.bench_engine import prompt_of
 from bench.bench_frontend import CONFIG, bodies_of, cpu_seconds
 from tests.support.servers import free_port, run_process
 
@@ -80,23 +85,35 @@ def front_end(name: str, tmp: Path, upstream: str, src: str | None) -> Iterator[
 
 
 async def load(
-    front: str, name: str, body: bytes, loops: int, seconds: float, captured: bool = True
+    front: str,
+    name: str,
+    bodies: list[bytes],
+    loops: int,
+    seconds: float,
+    captured: bool = True,
 ) -> int:
-    """``loops`` concurrent loops, each on its rollout (or untagged, not captured), for
-    ``seconds``; the calls answered."""
+    """``loops`` concurrent loops for ``seconds``; the calls answered. Each loop sends the
+    bodies in turn on a rollout of its own (untagged: not captured); with more than one
+    body (``--grow``) it starts a new rollout after the last, so each call but a rollout's
+    first continues the one before."""
     headers = {"content-type": "application/json", "x-api-key": "bench"}
     done = 0
 
     async def one_loop(session: aiohttp.ClientSession, index: int, until: float) -> None:
         nonlocal done
-        prefix = f"/ng-rollout/{name}-{index}/training-token-capture" if captured else ""
-        url = f"{front}{prefix}/v1/messages"
-        while time.monotonic() < until:
-            async with session.post(url, data=body, headers=headers) as reply:
+        step, rollout = 0, 0
+        while True:  # at least one call, then as many as fit before ``until``
+            prefix = f"/ng-rollout/{name}-{index}-{rollout}/training-token-capture"
+            url = f"{front}{prefix if captured else ''}/v1/messages"
+            async with session.post(url, data=bodies[step], headers=headers) as reply:
                 await reply.read()
                 if reply.status != 200:
                     raise RuntimeError(f"{url}: {reply.status}")
             done += 1
+            step = (step + 1) % len(bodies)
+            rollout += 1 if step == 0 and len(bodies) > 1 else 0
+            if time.monotonic() >= until:
+                return
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -106,14 +123,36 @@ async def load(
     return done
 
 
+def grown_bodies(tokens: int, steps: int, max_tokens: int) -> list[dict[str, Any]]:
+    """A conversation growing as a tool loop's does: half of ``tokens`` in its first
+    message, then per step a short reply and a user turn of ``tokens / (2 * steps)``."""
+    first = prompt_of(tokens // 2)
+    chunk = prompt_of(tokens // (2 * steps))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": first}]
+    bodies = []
+    for step in range(steps):
+        if step:
+            messages = [
+                *messages,
+                {"role": "assistant", "content": f"Read part {step}."},
+                {"role": "user", "content": f"Part {step}:\n{chunk}"},
+            ]
+        bodies.append(
+            {"model": "claude-sonnet-4-5", "max_tokens": max_tokens, "messages": messages}
+        )
+    return bodies
+
+
 def round_of(
-    front: tuple[str, int], name: str, body: bytes, args: Any, captured: bool
+    front: tuple[str, int], name: str, bodies: list[bytes], args: Any, captured: bool
 ) -> dict[str, float]:
     url, pid = front
-    # Warm: each rollout seen, the stand-in's replies kept.
-    asyncio.run(load(url, name, body, args.loops, 1.0, captured))
+    # Warm: each body through once, so the stand-in keeps every reply; then each rollout seen.
+    for body in bodies:
+        asyncio.run(load(url, f"{name}-warm", [body], 1, 0.0, captured))
+    asyncio.run(load(url, name, bodies, args.loops, 1.0, captured))
     cpu, started = cpu_seconds(pid), time.perf_counter()
-    calls = asyncio.run(load(url, name, body, args.loops, args.seconds, captured))
+    calls = asyncio.run(load(url, name, bodies, args.loops, args.seconds, captured))
     wall, used = time.perf_counter() - started, cpu_seconds(pid) - cpu
     return {"calls_s": calls / wall, "ms_call": used * 1000 / calls, "core": used / wall}
 
@@ -128,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=["text", "claude-code"], default="text")
     parser.add_argument("--baseline-src", default=None)
     parser.add_argument("--untagged", action="store_true", help="also untagged calls (no capture)")
+    parser.add_argument(
+        "--grow", type=int, default=0, help="rollouts of this many calls, each prompt longer"
+    )
     args = parser.parse_args(argv)
-    _, front_body = bodies_of(args.shape, args.prompt_tokens, args.max_tokens)
-    body = httpx.Request("POST", "http://x", json=front_body).content
+    if args.grow:
+        front_bodies = grown_bodies(args.prompt_tokens, args.grow, args.max_tokens)
+    else:
+        front_bodies = [bodies_of(args.shape, args.prompt_tokens, args.max_tokens)[1]]
+    bodies = [httpx.Request("POST", "http://x", json=body).content for body in front_bodies]
     results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         replay = stack.enter_context(engine_stand_in(Path(tmp)))
@@ -144,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, front in fronts.items():
                 for kind in KINDS if args.untagged else KINDS[:1]:
                     results.setdefault(f"{name}, {kind}", []).append(
-                        round_of(front, f"{name}{round_index}", body, args, kind == "captured")
+                        round_of(front, f"{name}{round_index}", bodies, args, kind == "captured")
                     )
         stats = httpx.get(replay + "/replay/stats").json()
+    shape = f"growing over {args.grow} calls" if args.grow else args.shape
     print(
-        f"{args.shape} body {len(body)} bytes, {args.loops} loops, {args.rounds} rounds of "
+        f"{shape}, bodies {len(bodies[0])}-{len(bodies[-1])} bytes, {args.loops} loops, {args.rounds} rounds of "
         f"{args.seconds:g} s; engine stand-in: {stats['replayed']} replayed, "
         f"{stats['passed']} passed to the engine"
     )
