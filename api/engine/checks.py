@@ -74,7 +74,7 @@ def bad_id(what: str, ids: list[Any], vocab_size: int | None) -> str | None:
 
 
 def checked_ids(
-    what: str, ids: list[Any], vocab_size: int | None
+    what: str, ids: list[Any] | PackedIds, vocab_size: int | None
 ) -> tuple[bytes | None, str | None]:
     """The ids packed little-endian uint32, or why one is no token; C-speed passes for the
     good case.
@@ -88,7 +88,8 @@ def checked_ids(
         packed: bytes | None = pack_ids(ids)
     except (TypeError, ValueError):
         packed = None  # not an integer, negative, or 2**32 and beyond: the loop below names it
-    if packed is not None and _no_booleans(ids):
+    # Ids read packed off a reply's bytes (``api.engine.reply_ids``) hold no boolean.
+    if packed is not None and (isinstance(ids, PackedIds) or _no_booleans(ids)):
         largest = int(numpy.frombuffer(packed, dtype="<u4").max()) if ids else -1
         if vocab_size is None or largest < vocab_size:
             return packed, None
@@ -103,19 +104,6 @@ def checked_ids(
         if token_id >= 2**32:
             return None, f"{what} id {position} is {token_id}, beyond any vocabulary (2**32)"
     return None, f"{what} ids could not be packed"  # not reached: the loop names the id
-
-
-def _checked_packed(ids: PackedIds, vocab_size: int | None) -> tuple[bytes | None, str | None]:
-    """Ids read packed off the reply's bytes (``api.engine.reply_ids``): integers in uint32
-    by construction, so only the vocabulary is left to check."""
-    values = numpy.frombuffer(ids.data, dtype="<u4")
-    if vocab_size is None or int(values.max()) < vocab_size:
-        return ids.data, None
-    position = int(numpy.flatnonzero(values >= vocab_size)[0])
-    return None, (
-        f"prompt id {position} is {int(values[position])}, not below the vocabulary size "
-        f"{vocab_size} (model_server.vocab_size)"
-    )
 
 
 def _no_booleans(ids: list[Any]) -> bool:
@@ -154,11 +142,7 @@ def prompt_check(
         return None, "the prompt ids are not a list"
     if not ids:
         return None, "the prompt ids are empty; a rendered chat prompt has tokens"
-    packed, problem = (
-        _checked_packed(ids, vocab_size)
-        if isinstance(ids, PackedIds)
-        else checked_ids("prompt", ids, vocab_size)
-    )
+    packed, problem = checked_ids("prompt", ids, vocab_size)
     problem = problem or count_problem("prompt", len(ids), usage, "prompt_tokens")
     return (packed, None) if problem is None else (None, problem)
 

@@ -33,7 +33,7 @@ FAST_FROM_BYTES = 16_384
 
 
 # What a worker keeps of its rollouts' last prompt lists (bytes and packed), at most: about
-# 6,000 lists of 1,000 ids, or 400 of 16,000.
+# 400 lists of 16,000 ids, or 64 of 100,000 (a list shorter than FAST_FROM_BYTES is not kept).
 MEMO_BYTES = 64 * 2**20
 
 
