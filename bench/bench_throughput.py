@@ -12,8 +12,9 @@ what one worker carries when it has a core to itself; ``--untagged`` also runs t
 calls off the capture path, to tell serving from capturing. By default each loop repeats one
 body on its rollout, so a rollout's next prompt shares every id with its last (the best
 case of ``api.engine.reply_ids.SpanMemo``); ``--grow K`` sends rollouts of K calls whose
-conversation grows as a tool loop's does, from half of ``--prompt-tokens`` to all of it. Every call is checked to be a 200;
-the stand-in's counts show that the engine saw each distinct request once.
+conversation grows as a tool loop's does, from half of ``--prompt-tokens`` to all of it.
+Every call is checked to be a 200; the stand-in's counts show that the engine saw each
+distinct request once.
 
 ``--baseline-src DIR`` also runs a front end from another checkout (same interpreter, same
 stand-in), in alternating rounds with this tree's.
@@ -194,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         stats = httpx.get(replay + "/replay/stats").json()
     shape = f"growing over {args.grow} calls" if args.grow else args.shape
     print(
-        f"{shape}, bodies {len(bodies[0])}-{len(bodies[-1])} bytes, {args.loops} loops, {args.rounds} rounds of "
-        f"{args.seconds:g} s; engine stand-in: {stats['replayed']} replayed, "
-        f"{stats['passed']} passed to the engine"
+        f"{shape}, bodies {len(bodies[0])}-{len(bodies[-1])} bytes, {args.loops} loops, "
+        f"{args.rounds} rounds of {args.seconds:g} s; engine stand-in: "
+        f"{stats['replayed']} replayed, {stats['passed']} passed to the engine"
     )
     print(f"{'front end':18s} {'calls/s':>9s} {'CPU ms a call':>14s} {'core used':>10s}  (medians)")
     for name, rounds in results.items():
