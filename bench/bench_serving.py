@@ -11,7 +11,8 @@ to the engine, then through ``tokcap serve`` (file store or a private Redis, 1 o
 workers) on the rollouts' capture paths. Printed per scenario: the wall time and calls/s,
 the ratio to direct in the same run, the most calls the engine had in flight at once (its
 ``GET /tokcap/pace``), errors, and how many rollouts, rebuilt from the store, deliver
-exactly the ids the engine logged for every answered call.
+exactly the ids the engine logged for every answered call. ``--untagged`` adds the same
+loops through one worker off the capture path: what serving alone costs beside capturing.
 
 Then the first streamed delta: ``--stream-calls`` streamed chat calls one after another, on
 an engine with a time to the first token and a time per token, direct and relayed through
@@ -239,6 +240,8 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
             most = pace(engine_url)["most_in_flight"]
             rss = rss_mb(pid)
             exact = asyncio.run(exact_rollouts(source, through, GroundTruth(truth_path)))
+    if args.untagged:
+        untagged(args, tmp, loops, store, direct_s, pad)
     errors = Counter(error[:120] for _, error in through if error is not None)
     print(
         f"{store:5} x{workers} {loops:5} loops | direct {direct_s:6.1f} s "
@@ -252,6 +255,28 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
         print(f"    {count} x {error}", flush=True)
     if profile is not None:  # the server has exited, so the profile is written
         print("\n".join(summary(profile, len(through))), flush=True)
+
+
+def untagged(
+    args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float, pad: str
+) -> None:
+    """The same loops through the front end off the capture path (no rollout in the URL):
+    what serving alone costs, so the captured figure tells serving from capturing."""
+    calls = loops * args.turns
+    with engine(tmp, args.call_s) as (engine_url, _):
+        with front_end(tmp, engine_url, store, 1) as (front, _, pid):
+            cpu_before = cpu_s(pid)
+            plain_s, plain = asyncio.run(
+                run_loops(lambda _: f"{front}/v1/chat/completions", loops, args.turns, pad)
+            )
+            cpu_ms = (cpu_s(pid) - cpu_before) * 1000 / calls
+    failed = sum(error is not None for _, error in plain)
+    print(
+        f"{store:5} x1 {loops:5} loops | untagged {plain_s:6.1f} s ({calls / plain_s:6.1f} "
+        f"calls/s) | throughput x{direct_s / plain_s:.2f} | {failed} errors | front end CPU "
+        f"{cpu_ms:.2f} ms a call",
+        flush=True,
+    )
 
 
 async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
@@ -312,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-token-s", type=float, default=0.5)
     parser.add_argument("--token-s", type=float, default=0.05)
     parser.add_argument("--skip-load", action="store_true", help="only the first-delta figures")
+    parser.add_argument(
+        "--untagged",
+        action="store_true",
+        help="also run each scenario's loops off the capture path (serving without capture)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",

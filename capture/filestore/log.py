@@ -8,7 +8,9 @@ recovery truncates it away before anything new is appended.
 Locks are ``flock`` on the log file itself, which holds between processes and between threads
 of one process (each operation opens its own descriptor). A log is only ever replaced by
 rename or removed while its lock is held, and a locker re-checks that the path still names
-the file it locked, so nobody appends to a file that was retired or deleted.
+the file it locked, so nobody appends to a file that was retired or deleted. Inside a group
+commit (``capture.filestore.commit``) a durable append leaves its sync to the group and keeps
+its lock until then.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
+from capture.filestore.commit import LockBusy, active_group
 
 log = logging.getLogger("tokcap.filelog")
 
@@ -77,6 +81,16 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_new_entry(directory: str) -> None:
+    """Make a new log's directory entry durable: now, or with this thread's group commit,
+    which syncs the directory once for every log its batch created."""
+    group = active_group()
+    if group is None:
+        fsync_dir(directory)
+    else:
+        group.defer_dir(directory)
 
 
 @dataclass
@@ -141,15 +155,19 @@ class LockedLog:
 
     def append(self, records: list[dict[str, Any]], *, durable: bool = True) -> None:
         """Append records; durable on return when the log fsyncs and ``durable`` is asked
-        for. Records appended without it are visible to every reader at once, and durable
-        with the next durable append (``fdatasync`` flushes the whole file)."""
+        for (inside a group commit: when the group commits, and the lock is kept till then).
+        Records appended without it are visible to every reader at once, and durable with
+        the next durable append (``fdatasync`` flushes the whole file)."""
         data = b"".join(frame(record) for record in records)
         start = self.size
+        group = active_group() if self.fsync and durable else None
         try:
             written = 0
             while written < len(data):
                 written += os.pwrite(self.fd, data[written:], start + written)
-            if self.fsync and durable:
+            if group is not None:
+                group.defer(self.fd, self.path, start)
+            elif self.fsync and durable:
                 os.fdatasync(self.fd)
         except BaseException:
             # Leave no partial record behind; if even this fails, the next reader truncates.
@@ -187,7 +205,15 @@ class LockedLog:
 
 @contextmanager
 def locked_log(path: str, *, create: bool, fsync: bool = True) -> Iterator[LockedLog | None]:
-    """Open ``path`` under an exclusive flock; yields None when it is absent and not created."""
+    """Open ``path`` under an exclusive flock; yields None when it is absent and not created.
+
+    Inside a group commit the lock is not waited for (``LockBusy``), and a log the group
+    still holds is first committed.
+    """
+    group = active_group()
+    if group is not None and group.holds(path):
+        group.commit()
+    how = fcntl.LOCK_EX | (fcntl.LOCK_NB if group is not None else 0)
     while True:
         try:
             fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
@@ -197,9 +223,12 @@ def locked_log(path: str, *, create: bool, fsync: bool = True) -> Iterator[Locke
             yield None
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, how)
             if _same_file(fd, path):
                 break
+        except BlockingIOError:
+            os.close(fd)
+            raise LockBusy(path) from None
         except BaseException:
             os.close(fd)
             raise

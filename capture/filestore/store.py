@@ -12,7 +12,9 @@ version behind and its drop fails. Dropping replaces the log by a tombstone (the
 state with ``snapshot_id`` and ``version``) so a late writer still sees the freeze;
 tombstones are swept after ``tombstone_ttl_s``.
 
-Blocking file work runs in a worker thread so the event loop of a model server keeps serving.
+Blocking file work runs off the event loop so a model server keeps serving: a call's writes
+on one writer thread, batched and group-committed (``capture.filestore.writer``), reads and
+rare writes in a thread pool.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from capture.errors import (
     RoutesPrefixError,
     TokenCaptureError,
 )
-from capture.filestore.log import LockedLog, frame, fsync_dir, locked_log
+from capture.filestore.log import LockedLog, frame, fsync_dir, fsync_new_entry, locked_log
 from capture.filestore.policy import read_policy_version, write_policy_version
 from capture.filestore.records import (
     RolloutState,
@@ -44,6 +46,7 @@ from capture.filestore.records import (
     put_record,
     stored_entries,
 )
+from capture.filestore.writer import GroupWriter
 from capture.inspection import Inspection, state_name
 from capture.lineage import entry_with_key
 from capture.reasons import (
@@ -58,8 +61,9 @@ from capture.rollout_ids import validate_rollout_id
 
 LOG_SUFFIX = ".log"
 _CACHED_ROLLOUTS = 1024
-# Threads for the store's file work, fsyncs mostly: concurrent fsyncs of different logs are
-# cheap for the file system to batch, and a call waits on its own put.
+# Threads for the syncs of a group commit (concurrent fsyncs of different logs are cheap for
+# the file system to batch), and as many for the reads, and for the writes that wait for a
+# rollout's lock.
 THREADS = 32
 SWEEP_INTERVAL_S = 3600.0  # drops sweep old tombstones at most this often
 _PEEK_BYTES = 1 << 20  # a tomb is small; a larger second record is an entry
@@ -103,6 +107,7 @@ class FileTokenStore:
         # Its own threads: asyncio's default pool has cpu + 4 of them and also resolves
         # every engine connection's host name; fsyncs queued there would stall those.
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="tokcap-filestore")
+        self._writer = GroupWriter(fsync_dir, self._threads, threads)
         if not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
             if fsync:
@@ -115,23 +120,23 @@ class FileTokenStore:
 
     async def put(self, entry: Any) -> None:
         """Record one call's entry; durable on return. See the module docstring."""
-        return await self._run(self._put, TokenEntry.coerce(entry))
+        return await self._write(self._put, TokenEntry.coerce(entry))
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably note a lost call; allowed after freeze and drop (it advances the version)."""
-        await self._run(self._mark_incomplete, rollout_id, model_call_id)
+        await self._write(self._mark_incomplete, rollout_id, model_call_id)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durable intent before dispatch; an intent without an entry makes a freeze incomplete."""
-        await self._run(self._intent, rollout_id, model_call_id, "intent")
+        await self._write(self._intent, rollout_id, model_call_id, "intent")
 
     async def void_call(self, rollout_id: str, model_call_id: str) -> None:
         """Resolve the intent of a call that returned nothing (not a loss)."""
-        await self._run(self._intent, rollout_id, model_call_id, "void")
+        await self._write(self._intent, rollout_id, model_call_id, "void")
 
     async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
         """Note that the harness never received this call's reply; refused after freeze."""
-        await self._run(self._intent, rollout_id, model_call_id, "unreceived")
+        await self._write(self._intent, rollout_id, model_call_id, "unreceived")
 
     async def find_call(self, rollout_id: str, lineage_key: str) -> TokenEntry | None:
         """The call whose entry carries ``lineage_key`` (faithful prompts); reads only."""
@@ -201,12 +206,20 @@ class FileTokenStore:
         self._closed = True
         with self._cache_lock:
             self._cache.clear()
-        self._threads.shutdown(wait=False)  # writes under way finish; none start
+        self._writer.close()  # writes queued or under way finish; none start
+        self._threads.shutdown(wait=False)
 
     async def _run(self, fn: Any, *args: Any) -> Any:
+        """Reads and rare writes, in the store's threads."""
         if self._closed:
             raise TokenCaptureError(f"{self!r} is closed")
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    async def _write(self, fn: Any, *args: Any) -> Any:
+        """A call's writes, on the writer thread, group-committed (``capture.filestore.writer``)."""
+        if self._closed:
+            raise TokenCaptureError(f"{self!r} is closed")
+        return await self._writer.run(fn, *args)
 
     # -- work done under a rollout's lock, in a worker thread ---------------------------
 
@@ -267,7 +280,7 @@ class FileTokenStore:
         head = head_record(rollout_id) if log.size == 0 else None
         log.append([head, *records] if head else records, durable=durable)
         if head and self.fsync:
-            fsync_dir(self.dir)  # the new log's directory entry must survive a crash too
+            fsync_new_entry(str(self.dir))  # the new log's directory entry must survive too
         for record in records:
             state.apply(record)
         with self._cache_lock:
