@@ -16,8 +16,8 @@ a second without work and starts again with the next write.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,46 +51,63 @@ class GroupWriter:
         self._waiting = waiting  # where a write whose lock is busy waits for it
         self._syncs = ThreadPoolExecutor(sync_threads, thread_name_prefix=f"{name}-sync")
         self._name = name
-        self._queue: deque[_Write] = deque()
-        self._ready = threading.Condition()
-        self._running = False
+        self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self._starting = threading.Lock()  # taken only to start or end the thread
+        self.thread: threading.Thread | None = None  # the thread while it runs
         self._closed = False
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the writer thread; its result once its batch is durable."""
+        if self._closed:
+            raise RuntimeError("the writer is closed")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._ready:
-            if self._closed:
-                raise RuntimeError("the writer is closed")
-            self._queue.append(_Write(loop, future, fn, args))
-            if self._running:
-                self._ready.notify()
-            else:
-                self._running = True
-                threading.Thread(target=self._work, name=self._name, daemon=True).start()
+        self._queue.put(_Write(loop, future, fn, args))
+        if self.thread is None:
+            with self._starting:
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+                    self.thread.start()
         return await future
 
     def close(self) -> None:
         """Take no more writes; those queued still run, then the thread ends."""
-        with self._ready:
+        with self._starting:
             self._closed = True
-            self._ready.notify()
-            if not self._running:
+            if self.thread is None:
                 self._syncs.shutdown(wait=False)
+            else:
+                self._queue.put(None)  # wakes the thread to end
 
     def _work(self) -> None:
         while True:
-            with self._ready:
-                if not self._queue and not self._closed:
-                    self._ready.wait(IDLE_S)
-                if not self._queue:
-                    self._running = False
+            batch = self._next_batch()
+            if batch:
+                self._run_batch(batch)
+                continue
+            with self._starting:
+                # A write queued after the wait timed out, before this, is still taken.
+                if self._queue.empty():
+                    self.thread = None
                     if self._closed:
                         self._syncs.shutdown(wait=False)
                     return
-                batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
-            self._run_batch(batch)
+
+    def _next_batch(self) -> list[_Write]:
+        """Every write waiting, up to ``BATCH``, after waiting up to ``IDLE_S`` for one."""
+        try:
+            first = self._queue.get(timeout=IDLE_S)
+        except queue.Empty:
+            return []
+        batch = [first] if first is not None else []
+        while len(batch) < BATCH:
+            try:
+                write = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if write is not None:
+                batch.append(write)
+        return batch
 
     def _run_batch(self, batch: list[_Write]) -> None:
         """Run the batch in one group; answer each loop once, after the commit. A write

@@ -149,17 +149,13 @@ async def test_the_writer_thread_ends_when_idle_and_starts_again(tmp_path, monke
     monkeypatch.setattr(writer_module, "IDLE_S", 0.05)
     store = FileTokenStore(tmp_path)
 
-    def writers() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name == "tokcap-filestore"]
-
     await store.put(make_token_entry("r", "c-1"))
-    assert len(writers()) == 1
-    for _ in range(100):
-        if not writers():
-            break
-        await asyncio.sleep(0.02)
-    assert writers() == []
+    first = store._writer.thread
+    assert first is not None and first.is_alive()
+    first.join(5)
+    assert not first.is_alive() and store._writer.thread is None
     await store.put(make_token_entry("r", "c-2"))
+    assert store._writer.thread is not None and store._writer.thread is not first
     assert [e.model_call_id for e in await store.peek("r")] == ["c-1", "c-2"]
     await store.close()
 
