@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from capture.codec.views import IdView
 from capture.config import load_capture_config
-from capture.errors import ConfigError
+from capture.errors import ConfigError, RolloutFrozenError
 from capture.protocols import IntentSink, TokenSink, TokenSource
 from capture.routes import Routes
 from tests.support.fixtures_stores import make_token_entry
@@ -395,3 +395,31 @@ async def test_the_policy_version_is_one_per_prefix_and_survives_a_new_client(
         assert await elsewhere.policy_version() is None
     finally:
         await elsewhere.close()
+
+
+async def test_intents_ready_at_once_are_scripts_sharing_round_trips(store, raw, redis_prefix):
+    """An intent is one script, never a WATCH transaction, and intents ready at once go out
+    together; each decides as before: a void with nothing pending, or an intent already
+    open, writes nothing (the version stays), a frozen rollout refuses a new one."""
+    await store.check()
+    raw.config_resetstat()
+    rollouts = [f"intent-{n}" for n in range(40)]
+    await asyncio.gather(*(store.begin_call(r, "c-1") for r in rollouts))
+    stats = raw.info("commandstats")
+    assert "cmdstat_watch" not in stats and "cmdstat_multi" not in stats
+    assert stats["cmdstat_evalsha"]["calls"] == 40  # each once (a first one may be loaded)
+    # Batched: a connection or two for all 40, where transactions took one each.
+    assert stats.get("cmdstat_hello", {"calls": 0})["calls"] <= 2
+    key = rollout_key(redis_prefix, "intent-0")
+    assert raw.hget(key, "i:c-1") == b"open" and raw.hget(key, "version") == b"1"
+    await store.begin_call("intent-0", "c-1")  # already open
+    await store.void_call("intent-0", "c-9")  # nothing pending
+    assert raw.hget(key, "version") == b"1" and raw.hget(key, "i:c-9") is None
+    await store.void_call("intent-0", "c-1")
+    assert raw.hget(key, "i:c-1") == b"void" and raw.hget(key, "version") == b"2"
+    snapshot = await store.freeze("intent-1")
+    assert snapshot.incomplete  # its intent is pending
+    with pytest.raises(RolloutFrozenError):
+        await store.begin_call("intent-1", "c-2")
+    await store.void_call("intent-1", "c-2")  # nothing pending: a no-op, frozen or not
+    assert (await store.freeze("intent-1")).version == snapshot.version

@@ -3,8 +3,8 @@
 An operation is two pure steps: ``reads(key)``, the commands sent with WATCH in one round
 trip, and ``decide(key, replies)``, the Plan made of their replies (writes to commit, then a
 result or an error). Nothing here talks to Redis; ``transports.redis.watch.attempt`` runs
-one operation as a transaction and the store retries it when it loses the race. A put is a
-server-side script instead (``transports.redis.put``).
+one operation as a transaction and the store retries it when it loses the race. A put and
+an intent are server-side scripts instead (``transports.redis.put``, ``.intent``).
 """
 
 from __future__ import annotations
@@ -73,36 +73,6 @@ class MarkIncomplete:
     def decide(self, key: str, replies: list[Any]) -> Plan:
         (version,) = replies[0]
         return Plan(writes=[mark_lost(key, self.model_call_id, MARKED_INCOMPLETE, version)])
-
-
-@dataclass(frozen=True)
-class SetIntent:
-    """Open the intent of a call before dispatch, or void it when the call returned nothing."""
-
-    rollout_id: str
-    model_call_id: str
-    value: bytes  # keys.INTENT_OPEN or keys.INTENT_VOID
-
-    def reads(self, key: str) -> list[Command]:
-        intent = k.field(k.INTENT, self.model_call_id)
-        return [("HMGET", key, k.VERSION, k.FROZEN, intent, k.field(k.ENTRY, self.model_call_id))]
-
-    def decide(self, key: str, replies: list[Any]) -> Plan:
-        version, frozen, current, stored = replies[0]
-        pending = current == k.INTENT_OPEN and stored is None
-        if self.value == k.INTENT_VOID and not pending:
-            return Plan()  # nothing to resolve, frozen or not
-        if frozen == b"1":
-            return Plan(
-                error=RolloutFrozenError(
-                    f"rollout {self.rollout_id} is frozen; the {self.value.decode()} of call "
-                    f"{self.model_call_id} is too late (the snapshot counts it as it was)"
-                )
-            )
-        if current == self.value:
-            return Plan()
-        intent = k.field(k.INTENT, self.model_call_id)
-        return Plan(writes=[("HSET", key, intent, self.value, k.VERSION, next_version(version))])
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 A put, the hot path, is one server-side script that decides and writes atomically, usually
 in one round trip, sending only the blocks the hash does not hold yet
-(``transports.redis.put``). Every other state change runs as an optimistic transaction on
+(``transports.redis.put``); so is a call's intent and its void (``transports.redis.intent``).
+Every other state change runs as an optimistic transaction on
 the rollout's hash: WATCH, read what decides, MULTI ... EXEC; a refused EXEC means another
 writer changed the rollout first, so the decision is made again on fresh state
 (``transports.redis.watch.attempt``); what each change reads and decides is a pure
@@ -42,13 +43,13 @@ from transports.redis.checks import check_call_id, check_limits, check_server
 from transports.redis.clients import RedisOptions
 from transports.redis.durability import Durability
 from transports.redis.eviction import Memory
+from transports.redis.intent import INTENT_SCRIPT, INTENT_SHA, intent_args
 from transports.redis.plans import (
     Drop,
     Freeze,
     MarkIncomplete,
     MarkUnreceived,
     Operation,
-    SetIntent,
     SweepOne,
     pairs,
 )
@@ -137,6 +138,7 @@ class RedisTokenStore:
         # Saves asking about blocks this process already wrote (see transports.redis.put).
         self._known = KnownBlocks(_KNOWN_ROLLOUTS)
         self._puts: dict[Any, ScriptBatch] = {}  # per pool: puts ready at once share a trip
+        self._intents: dict[Any, ScriptBatch] = {}  # and so do intents
 
     @property
     def block_size(self) -> int:
@@ -254,7 +256,9 @@ class RedisTokenStore:
         attempt = Put.plan(encoded, self._known.get(rollout_id))
         for _ in range(self._max_watch_retries):
             reply, waited, proven = await self._reach.retrying(
-                lambda attempt=attempt: self._batch(key).run(key, attempt.args)
+                lambda attempt=attempt: self._batch(key, self._puts, PUT_SCRIPT, PUT_SHA).run(
+                    key, attempt.args
+                )
             )
             outcome, _, epoch = reply.partition(b" ") if type(reply) is bytes else (b"", b"", b"")
             if outcome in (b"stored", b"same"):
@@ -293,13 +297,34 @@ class RedisTokenStore:
             f"call {entry.model_call_id}"
         )
 
-    def _batch(self, key: str) -> ScriptBatch:
-        """The put batch of the pool serving ``key`` (on a cluster, one per master)."""
+    def _batch(
+        self, key: str, batches: dict[Any, ScriptBatch], script: str, sha: str
+    ) -> ScriptBatch:
+        """The batch of ``script`` for the pool serving ``key`` (on a cluster, one per master)."""
         pool, durability = self._reach.route(key)
-        batch = self._puts.get(pool)
+        batch = batches.get(pool)
         if batch is None:
-            batch = self._puts[pool] = ScriptBatch(pool, PUT_SCRIPT, PUT_SHA, durability)
+            batch = batches[pool] = ScriptBatch(pool, script, sha, durability)
         return batch
+
+    async def _set_intent(self, rollout_id: str, model_call_id: str, value: bytes) -> None:
+        """Open or void a call's intent in one script (``transports.redis.intent``)."""
+        check_call_id(model_call_id)
+        await self.check()
+        key = k.rollout_key(self.key_prefix, validate_rollout_id(rollout_id))
+        args = intent_args(model_call_id, value)
+        reply, waited, proven = await self._reach.retrying(
+            lambda: self._batch(key, self._intents, INTENT_SCRIPT, INTENT_SHA).run(
+                key, lambda _: args
+            )
+        )
+        if reply == b"frozen":
+            raise RolloutFrozenError(
+                f"rollout {rollout_id} is frozen; the {value.decode()} of call "
+                f"{model_call_id} is too late (the snapshot counts it as it was)"
+            )
+        if reply == b"stored":
+            proven.verify(waited)
 
     async def mark_incomplete(self, rollout_id: str, model_call_id: str = "") -> None:
         """Durably note a lost call; allowed after freeze and drop (it advances the version)."""
@@ -307,13 +332,11 @@ class RedisTokenStore:
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
         """Durable intent before dispatch: without an entry at freeze, the rollout is incomplete."""
-        check_call_id(model_call_id)
-        await self._transact(rollout_id, SetIntent(rollout_id, model_call_id, k.INTENT_OPEN))
+        await self._set_intent(rollout_id, model_call_id, k.INTENT_OPEN)
 
     async def void_call(self, rollout_id: str, model_call_id: str) -> None:
         """Resolve a pending intent of a call that returned nothing (not a loss)."""
-        check_call_id(model_call_id)
-        await self._transact(rollout_id, SetIntent(rollout_id, model_call_id, k.INTENT_VOID))
+        await self._set_intent(rollout_id, model_call_id, k.INTENT_VOID)
 
     async def mark_unreceived(self, rollout_id: str, model_call_id: str) -> None:
         """Note that the harness never received this call's reply; refused after freeze."""
