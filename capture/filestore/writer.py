@@ -16,6 +16,7 @@ a second without work and starts again with the next write.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -49,17 +50,26 @@ class GroupWriter:
     ) -> None:
         self._sync_dir = sync_dir
         self._waiting = waiting  # where a write whose lock is busy waits for it
-        self._syncs = ThreadPoolExecutor(sync_threads, thread_name_prefix=f"{name}-sync")
+        self._sync_threads = sync_threads
         self._name = name
+        self._closed = False
+        self._start_afresh()
+
+    def _start_afresh(self) -> None:
+        """No thread, nothing queued: at start, and in a child forked with a writer (the
+        fork copies the thread's state, not the thread)."""
+        self._pid = os.getpid()
+        self._syncs = ThreadPoolExecutor(self._sync_threads, f"{self._name}-sync")
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._starting = threading.Lock()  # taken only to start or end the thread
         self.thread: threading.Thread | None = None  # the thread while it runs
-        self._closed = False
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the writer thread; its result once its batch is durable."""
         if self._closed:
             raise RuntimeError("the writer is closed")
+        if self._pid != os.getpid():
+            self._start_afresh()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._queue.put(_Write(loop, future, fn, args))
@@ -136,7 +146,12 @@ class GroupWriter:
         for loop, answered in answers.items():
             _call_soon(loop, _settle, answered)
         for write in busy:
-            self._waiting.submit(write.fn, *write.args).add_done_callback(
+            try:
+                waited = self._waiting.submit(write.fn, *write.args)
+            except RuntimeError as exc:  # the store closed meanwhile
+                _call_soon(write.loop, _settle, [(write.future, False, exc)])
+                continue
+            waited.add_done_callback(
                 lambda done, write=write: _call_soon(write.loop, _copy, done, write.future)
             )
 

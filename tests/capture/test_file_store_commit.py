@@ -172,3 +172,21 @@ async def test_a_write_whose_caller_stopped_waiting_still_lands(tmp_path):
     await store.put(make_token_entry("r", "c-2"))  # after the cancelled one, on one thread
     assert [e.model_call_id for e in await store.peek("r")] == ["c-1", "c-2"]
     await store.close()
+
+
+async def test_a_child_forked_with_a_running_writer_writes_through_its_own(tmp_path):
+    store = FileTokenStore(tmp_path)
+    await store.put(make_token_entry("parent", "c-1"))  # the parent's writer thread runs
+    assert store._writer.thread is not None
+    pid = os.fork()
+    if pid == 0:  # the child: the copied writer has no thread behind it
+        code = 1
+        try:
+            asyncio.run(asyncio.wait_for(store.put(make_token_entry("child", "c-1")), 10))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [e.model_call_id for e in await store.peek("child")] == ["c-1"]
+    await store.close()
