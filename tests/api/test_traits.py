@@ -78,7 +78,7 @@ def test_a_title_call_a_summary_request_and_a_resumed_session_are_told_apart() -
     assert sub["system"] != first["system"] and sub["tools"] == first["tools"]
 
 
-def test_kept_facts_give_each_text_its_own_traits_within_their_bound() -> None:
+def test_kept_facts_give_each_text_its_own_traits_within_their_bound(monkeypatch) -> None:
     """A rollout's system prompt and opening are read once; a text that differs by one
     character, or a text seen often, never takes another's traits, and what is kept stays
     bounded."""
@@ -103,11 +103,15 @@ def test_kept_facts_give_each_text_its_own_traits_within_their_bound() -> None:
         }
     )
     assert later["first_user"] == fresh["first_user"] and not later["summary_request"]
-    for n in range(2 * traits_module.FACTS_KEPT):
-        traits({**body, "messages": [{"role": "user", "content": f"{n} {opening}"}]})
+    texts = [f"{n:04d} {opening}" for n in range(200)]
+    budget = 50 * len(texts[0]) + len(body["system"])  # and the system prompt of each call
+    monkeypatch.setattr(traits_module, "FACTS_CHARS", budget)
+    for text in texts:
+        traits({**body, "messages": [{"role": "user", "content": text}]})
     huge = opening * (traits_module.KEPT_CHARS // len(opening) + 1)
     traits({**body, "messages": [{"role": "user", "content": huge}]})
-    assert len(traits_module._known) == traits_module.FACTS_KEPT
+    assert [text for text in traits_module._known if text in texts] == texts[-50:]
+    assert sum(map(len, traits_module._known)) <= budget
     assert huge not in traits_module._known
 
 

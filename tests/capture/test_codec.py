@@ -19,6 +19,7 @@ from capture.codec.entries import (
     pack_ids,
     unpack_ids,
 )
+from capture.codec.packed import PackedIds
 from capture.records import TokenEntry
 from tests.support.codec import body_block_names, entry_digest, prompt_blocks
 from tests.support.rollouts import growing_rollout
@@ -386,3 +387,24 @@ def test_decoding_switches_no_process_wide_collector_setting(monkeypatch):
     blocks = dict(block for item in encoded for block in item.blocks)
     decode_entries([item.body for item in encoded], blocks, trusted=True)
     assert touched == []
+
+
+def test_chain_memo_keeps_a_thousand_rollouts_of_16k_packed_ids_within_its_bytes() -> None:
+    """A writer with 1,000 rollouts in flight re-encodes only what each call adds: the
+    memo is bounded by the bytes it keeps, not by a few dozen rollouts."""
+    prompt, size = PackedIds(pack_ids(range(16_000))), DEFAULT_BLOCK_SIZE
+
+    def entry(n: int) -> TokenEntry:
+        return make_entry([]).model_copy(
+            update={"rollout_id": f"r-{n}", "prompt_token_ids": prompt}
+        )
+
+    memo = ChainMemo()
+    for n in range(1_000):
+        encode_entry(entry(n), size, memo)
+    assert len(memo.prefix("r-0", prompt, size)) == 16_000 // size
+    small = ChainMemo(max_bytes=3 * 16_000 * 4 + 3 * 100)  # three prompts and their replies
+    for n in range(5):
+        encode_entry(entry(n), size, small)
+    kept = [len(small.prefix(f"r-{n}", prompt, size)) > 0 for n in range(5)]
+    assert kept == [False, False, True, True, True]
