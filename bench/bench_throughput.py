@@ -109,7 +109,7 @@ async def load(
             async with session.post(url, data=bodies[step], headers=headers) as reply:
                 await reply.read()
                 if reply.status != 200:
-                    raise RuntimeError(f"{url}: {reply.status}")
+                    raise RuntimeError(f"{url}: {reply.status} {(await reply.read())[:600]!r}")
             done += 1
             step = (step + 1) % len(bodies)
             rollout += 1 if step == 0 and len(bodies) > 1 else 0

@@ -11,6 +11,7 @@ directly, never through a proxy from the environment.
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -86,12 +87,18 @@ class EngineHTTP:
         """(status, body) of one POST; a pooled connection the engine closed as the request
         went out, with no answer, is tried once more on a fresh one, and so is a connection
         that was not made in time (nothing was sent: a worker whose event loop was starved
-        for ``sock_connect`` seconds on a busy host sees its own timer fire first)."""
+        for ``sock_connect`` seconds on a busy host sees its own timer fire first), or was
+        reset before an answer (an engine's listen queue overflowing when 1,000 calls open
+        connections at once: the kernel resets what it accepted but could not queue)."""
         try:
             return await self._post_once(path, content)
         except (aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError):
             # Nothing was answered, so a sample the engine may have drawn never reached the
             # harness or the capture.
+            return await self._post_once(path, content)
+        except aiohttp.ClientOSError as exc:
+            if exc.errno != errno.ECONNRESET:
+                raise
             return await self._post_once(path, content)
 
     async def _post_once(self, path: str, content: bytes) -> tuple[int, bytes]:
