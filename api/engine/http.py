@@ -92,13 +92,11 @@ class EngineHTTP:
         connections at once: the kernel resets what it accepted but could not queue)."""
         try:
             return await self._post_once(path, content)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError):
+        except aiohttp.ClientError as exc:
+            if not _unanswered(exc):
+                raise
             # Nothing was answered, so a sample the engine may have drawn never reached the
             # harness or the capture.
-            return await self._post_once(path, content)
-        except aiohttp.ClientOSError as exc:
-            if exc.errno != errno.ECONNRESET:
-                raise
             return await self._post_once(path, content)
 
     async def _post_once(self, path: str, content: bytes) -> tuple[int, bytes]:
@@ -131,6 +129,14 @@ class EngineHTTP:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _unanswered(exc: aiohttp.ClientError) -> bool:
+    """Whether a POST failed before any answer in a way a fresh connection may not (see
+    ``EngineHTTP.post``)."""
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError)):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno == errno.ECONNRESET
 
 
 def sse_data(line: bytes) -> str | None:
