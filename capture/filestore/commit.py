@@ -15,6 +15,7 @@ rollout locked elsewhere cannot hold up the writes of every other rollout.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -37,6 +38,17 @@ class _Pending:
     path: str
     start: int
     owner: int
+
+    def sync(self) -> None:
+        try:
+            os.fdatasync(self.fd)
+        except BaseException:
+            # Leave no unacknowledged record behind; if even this fails, a reader truncates.
+            try:
+                os.ftruncate(self.fd, self.start)
+            except OSError:
+                pass
+            raise
 
 
 @dataclass
@@ -76,15 +88,11 @@ class SyncGroup:
         pending, dirs = list(self._pending.values()), dict(self._dirs)
         self._pending.clear()
         self._dirs.clear()
-        jobs: list[Callable[[], None]] = [_synced_log(item) for item in pending]
-        jobs += [_synced_dir(self.sync_dir, d) for d in dirs]
+        jobs: list[Callable[[], None]] = [item.sync for item in pending]
+        jobs += [functools.partial(self.sync_dir, d) for d in dirs]
         owners = [[item.owner] for item in pending] + list(dirs.values())
         try:
-            try:
-                errors = list(self.threads.map(_error_of, jobs)) if len(jobs) > 1 else None
-            except RuntimeError:  # the sync threads are shut down: sync one after another
-                errors = None
-            errors = errors if errors is not None else [_error_of(job) for job in jobs]
+            errors = self._errors_of(jobs)
         finally:
             for item in pending:
                 os.close(item.fd)  # the last descriptor: the lock goes with it
@@ -92,6 +100,15 @@ class SyncGroup:
             if error is not None:
                 for owner in failed_owners:
                     self.failed.setdefault(owner, error)
+
+    def _errors_of(self, jobs: list[Callable[[], None]]) -> list[BaseException | None]:
+        """Run the syncs, in parallel where there are several; what each one raised."""
+        if len(jobs) > 1:
+            try:
+                return list(self.threads.map(_error_of, jobs))
+            except RuntimeError:  # the sync threads are shut down: sync one after another
+                pass
+        return [_error_of(job) for job in jobs]
 
 
 def active_group() -> SyncGroup | None:
@@ -105,22 +122,3 @@ def _error_of(job: Callable[[], None]) -> BaseException | None:
     except BaseException as exc:
         return exc
     return None
-
-
-def _synced_log(item: _Pending) -> Callable[[], None]:
-    def sync() -> None:
-        try:
-            os.fdatasync(item.fd)
-        except BaseException:
-            # Leave no unacknowledged record behind; if even this fails, a reader truncates.
-            try:
-                os.ftruncate(item.fd, item.start)
-            except OSError:
-                pass
-            raise
-
-    return sync
-
-
-def _synced_dir(sync_dir: Callable[[str], None], directory: str) -> Callable[[], None]:
-    return lambda: sync_dir(directory)
