@@ -64,10 +64,12 @@ CODEC_WITHOUT_ROUTES = 2
 _Parts = tuple[memoryview, memoryview]
 # (block size, prefix, its whole blocks, the bytes it holds): what ChainMemo keeps per rollout.
 _Known = tuple[int, list[int] | _Parts, tuple[Block, ...], int]
-# The memo's bounds: 64 MiB keep 1,000 rollouts of 16k packed ids (a list's id costs 36 bytes).
-MEMO_BYTES = 64 << 20
+# The memo's bounds: 160 MiB keep 1,000 rollouts of 16k packed ids (each holds its prefix and
+# its blocks' copy of the ids, 8 bytes an id, and about 256 bytes a block beside).
+MEMO_BYTES = 160 << 20
 MEMO_ROLLOUTS = 4096
-LIST_ID_BYTES = 36
+LIST_ID_BYTES = 36  # an id kept in a list: its pointer and its int
+BLOCK_BYTES = 256  # a kept Block beside its ids: the tuple, its name and parent digest
 # Fields the body and blocks store in packed form instead of as msgpack lists.
 _PACKED = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
 # Set at capture; a retried put of the same call may carry another timestamp.
@@ -191,7 +193,8 @@ class ChainMemo:
             if len(prefix) < size:
                 prefix += prompt[len(prefix) : size]
                 prefix += unpack_ids(generation[: (size - len(prefix)) * ID_WIDTH])
-        known = (block_size, prefix, tuple(chain[:whole]), _held_bytes(prefix))
+        blocks = tuple(chain[:whole])
+        known = (block_size, prefix, blocks, _held_bytes(prefix, blocks))
         with self._lock:
             self._drop(rollout_id)
             self._known[rollout_id] = known
@@ -212,11 +215,13 @@ class ChainMemo:
             self._bytes -= known[3]
 
 
-def _held_bytes(prefix: list[int] | _Parts) -> int:
-    """What a kept prefix holds: its packed bytes, or a list's pointer and int per id."""
+def _held_bytes(prefix: list[int] | _Parts, blocks: tuple[Block, ...]) -> int:
+    """What a kept rollout holds: its prefix (packed bytes, or a list's pointer and int per
+    id) and its blocks, each with its own copy of its ids."""
+    held = sum(len(block.data) + BLOCK_BYTES for block in blocks)
     if isinstance(prefix, tuple):
-        return sum(part.nbytes for part in prefix)
-    return len(prefix) * LIST_ID_BYTES
+        return held + sum(part.nbytes for part in prefix)
+    return held + len(prefix) * LIST_ID_BYTES
 
 
 def _packed_from(ids: Sequence[int], start: int) -> bytes:

@@ -403,7 +403,9 @@ def test_chain_memo_keeps_a_thousand_rollouts_of_16k_packed_ids_within_its_bytes
     for n in range(1_000):
         encode_entry(entry(n), size, memo)
     assert len(memo.prefix("r-0", prompt, size)) == 16_000 // size
-    small = ChainMemo(max_bytes=3 * 16_000 * 4 + 3 * 100)  # three prompts and their replies
+    one = ChainMemo()
+    encode_entry(entry(0), size, one)
+    small = ChainMemo(max_bytes=3 * one._bytes)  # what three such rollouts hold
     for n in range(5):
         encode_entry(entry(n), size, small)
     kept = [len(small.prefix(f"r-{n}", prompt, size)) > 0 for n in range(5)]
