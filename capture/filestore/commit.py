@@ -19,8 +19,9 @@ import functools
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from capture.filestore.crew import Job, SyncCrew, error_of
 
 _active = threading.local()
 
@@ -56,7 +57,7 @@ class SyncGroup:
     """The syncs a batch of writes owes, and which of its calls failed for want of them."""
 
     sync_dir: Callable[[str], None]
-    threads: ThreadPoolExecutor
+    crew: SyncCrew
     owner: int = 0  # the call of the batch running now
     failed: dict[int, BaseException] = field(default_factory=dict)
     _pending: dict[str, _Pending] = field(default_factory=dict)
@@ -88,7 +89,7 @@ class SyncGroup:
         pending, dirs = list(self._pending.values()), dict(self._dirs)
         self._pending.clear()
         self._dirs.clear()
-        jobs: list[Callable[[], None]] = [item.sync for item in pending]
+        jobs: list[Job] = [item.sync for item in pending]
         jobs += [functools.partial(self.sync_dir, d) for d in dirs]
         owners = [[item.owner] for item in pending] + list(dirs.values())
         try:
@@ -101,24 +102,14 @@ class SyncGroup:
                 for owner in failed_owners:
                     self.failed.setdefault(owner, error)
 
-    def _errors_of(self, jobs: list[Callable[[], None]]) -> list[BaseException | None]:
+    def _errors_of(self, jobs: list[Job]) -> list[BaseException | None]:
         """Run the syncs, in parallel where there are several; what each one raised."""
-        if len(jobs) > 1:
-            try:
-                return list(self.threads.map(_error_of, jobs))
-            except RuntimeError:  # the sync threads are shut down: sync one after another
-                pass
-        return [_error_of(job) for job in jobs]
+        try:
+            return self.crew.errors_of(jobs)
+        except RuntimeError:  # the sync threads are shut down: sync one after another
+            return [error_of(job) for job in jobs]
 
 
 def active_group() -> SyncGroup | None:
     """The group this thread's writes belong to, if any."""
     return getattr(_active, "group", None)
-
-
-def _error_of(job: Callable[[], None]) -> BaseException | None:
-    try:
-        job()
-    except BaseException as exc:
-        return exc
-    return None

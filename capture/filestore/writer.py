@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture.filestore.commit import LockBusy, SyncGroup
+from capture.filestore.crew import SyncCrew
 
 BATCH = 64  # writes committed together at most, so the first of a burst is not kept long
 IDLE_S = 1.0  # the thread ends after this long without work
@@ -59,7 +60,7 @@ class GroupWriter:
         """No thread, nothing queued: at start, and in a child forked with a writer (the
         fork copies the thread's state, not the thread)."""
         self._pid = os.getpid()
-        self._syncs = ThreadPoolExecutor(self._sync_threads, f"{self._name}-sync")
+        self._syncs = SyncCrew(self._sync_threads, f"{self._name}-sync")
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._starting = threading.Lock()  # taken only to start or end the thread
         self.thread: threading.Thread | None = None  # the thread while it runs
@@ -85,7 +86,7 @@ class GroupWriter:
         with self._starting:
             self._closed = True
             if self.thread is None:
-                self._syncs.shutdown(wait=False)
+                self._syncs.shutdown()
             else:
                 self._queue.put(None)  # wakes the thread to end
 
@@ -100,7 +101,7 @@ class GroupWriter:
                 if self._queue.empty():
                     self.thread = None
                     if self._closed:
-                        self._syncs.shutdown(wait=False)
+                        self._syncs.shutdown()
                     return
 
     def _next_batch(self) -> list[_Write]:

@@ -7,13 +7,13 @@ import errno
 import fcntl
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from capture.filestore import writer as writer_module
 from capture.filestore.commit import SyncGroup, active_group
+from capture.filestore.crew import SyncCrew
 from capture.filestore.log import fsync_dir
 from capture.filestore.store import FileTokenStore
 from tests.support.fixtures_stores import make_token_entry
@@ -47,9 +47,9 @@ def syncs(monkeypatch) -> list[str]:
 
 def test_a_group_syncs_each_log_once_at_commit_holding_its_lock_till_then(tmp_path, syncs):
     store = FileTokenStore(tmp_path)
-    threads = ThreadPoolExecutor(4)
+    crew = SyncCrew(4, "test-sync")
     logs = [tmp_path / f"r{n}.log" for n in range(6)]
-    with SyncGroup(fsync_dir, threads) as group:
+    with SyncGroup(fsync_dir, crew) as group:
         assert active_group() is group
         for n in range(6):
             group.owner = n
@@ -62,12 +62,12 @@ def test_a_group_syncs_each_log_once_at_commit_holding_its_lock_till_then(tmp_pa
     assert all(lockable(log) for log in logs) and group.failed == {}
     reopened = FileTokenStore(tmp_path)
     assert all(reopened._peek(f"r{n}")[0].model_call_id == "c-1" for n in range(6))
-    threads.shutdown()
+    crew.shutdown()
 
 
 def test_a_second_write_to_a_log_of_the_group_commits_the_first(tmp_path, syncs):
     store = FileTokenStore(tmp_path)
-    with SyncGroup(fsync_dir, ThreadPoolExecutor(2)) as group:
+    with SyncGroup(fsync_dir, SyncCrew(2, "test-sync")) as group:
         store._put(make_token_entry("r", "c-1"))
         assert syncs == []
         group.owner = 1
