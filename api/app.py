@@ -29,6 +29,7 @@ from api.edge import status
 from api.edge.body import BodyLimit
 from api.edge.keys import OPEN_PATHS, RequireKey
 from api.edge.metrics import FrontEndMetrics
+from api.edge.model_calls import Endpoint, ModelCallDispatch
 from api.edge.prefix import CapturePrefixRouter, SinkSlot
 from api.engine.client import UpstreamClient
 from api.engine.engines_file import apply_engines, named_engines, watch_engines
@@ -114,12 +115,13 @@ async def _lifespan(app: FastAPI, front: FrontEnd, own_process: bool) -> AsyncIt
             await sink.close()
 
 
-def _add_routes(app: FastAPI) -> None:
-    """Model calls first: a request walks the routes in order, and nearly all are those."""
+def _add_routes(app: FastAPI, endpoints: dict[str, Endpoint]) -> None:
+    """Model calls first: a request walks the routes in order, and nearly all are those
+    (though ``ModelCallDispatch`` serves their POSTs before the router)."""
     for dialect in DIALECTS.values():
         app.router.add_api_route(
             dialect.PATH,
-            model_route(dialect),
+            endpoints[dialect.PATH],
             methods=["POST"],
             openapi_extra=_request_body(dialect.REQUEST_SCHEMA),
             route_class_override=OwnBodyRoute,
@@ -165,6 +167,8 @@ def create_app(settings: ServerSettings | None = None, *, own_process: bool = Fa
         **pages,
     )
     app.state.front_end = front
+    endpoints = {dialect.PATH: model_route(dialect) for dialect in DIALECTS.values()}
+    app.add_middleware(ModelCallDispatch, endpoints=endpoints)  # innermost
     app.add_middleware(
         CapturePrefixRouter, slot=front.slot, capture_timeout_s=settings.capture_timeout_s
     )
@@ -181,7 +185,7 @@ def create_app(settings: ServerSettings | None = None, *, own_process: bool = Fa
         served = (app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url, app.openapi_url)
         open_paths = OPEN_PATHS | {page for page in served if page and settings.docs}
         app.add_middleware(RequireKey, secret=settings.auth_secret, open_paths=open_paths)
-    _add_routes(app)
+    _add_routes(app, endpoints)
     return app
 
 
