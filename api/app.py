@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from api.call.collisions import CollisionWatch
 from api.call.policy import PolicyVersion, policy_version_route
 from api.call.routes import OwnBodyRoute, count_tokens, model_route, models
+from api.call.serve import serve_call
 from api.call.updates import WeightUpdates, pause_route, resume_route
 from api.dialects import DIALECTS, anthropic
 from api.edge import status
@@ -115,13 +116,13 @@ async def _lifespan(app: FastAPI, front: FrontEnd, own_process: bool) -> AsyncIt
             await sink.close()
 
 
-def _add_routes(app: FastAPI, endpoints: dict[str, Endpoint]) -> None:
+def _add_routes(app: FastAPI) -> None:
     """Model calls first: a request walks the routes in order, and nearly all are those
     (though ``ModelCallDispatch`` serves their POSTs before the router)."""
     for dialect in DIALECTS.values():
         app.router.add_api_route(
             dialect.PATH,
-            endpoints[dialect.PATH],
+            model_route(dialect),
             methods=["POST"],
             openapi_extra=_request_body(dialect.REQUEST_SCHEMA),
             route_class_override=OwnBodyRoute,
@@ -167,7 +168,11 @@ def create_app(settings: ServerSettings | None = None, *, own_process: bool = Fa
         **pages,
     )
     app.state.front_end = front
-    endpoints = {dialect.PATH: model_route(dialect) for dialect in DIALECTS.values()}
+    # The model calls' POSTs go straight to ``serve_call``, past the router and the routes.
+    endpoints: dict[str, Endpoint] = {
+        dialect.PATH: functools.partial(serve_call, dialect=dialect)
+        for dialect in DIALECTS.values()
+    }
     app.add_middleware(ModelCallDispatch, endpoints=endpoints)  # innermost
     app.add_middleware(
         CapturePrefixRouter, slot=front.slot, capture_timeout_s=settings.capture_timeout_s
@@ -185,7 +190,7 @@ def create_app(settings: ServerSettings | None = None, *, own_process: bool = Fa
         served = (app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url, app.openapi_url)
         open_paths = OPEN_PATHS | {page for page in served if page and settings.docs}
         app.add_middleware(RequireKey, secret=settings.auth_secret, open_paths=open_paths)
-    _add_routes(app, endpoints)
+    _add_routes(app)
     return app
 
 

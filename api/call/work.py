@@ -273,7 +273,8 @@ async def run_call(
             return Failed(exc.status, exc.message)
         return Failed(502, f"upstream call failed: {type(exc).__name__}: {exc}")
     finally:
-        metrics.upstream_seconds.labels(dialect=dialect).observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        metrics.labelled(metrics.upstream_seconds, dialect).observe(seconds)
     work.generating = False
     if intent is not None:
         await intent  # durable before the entry, and so before any reply reaches the harness

@@ -61,6 +61,8 @@ class FrontEndMetrics:
     multiprocess_dir: str | None = field(default_factory=lambda: os.environ.get(MULTIPROC_ENV))
 
     def __post_init__(self) -> None:
+        # Each labelled child once looked up: ``labels()`` checks and locks on every call.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._count_updates()
         self._count_engines()
         self._count_calls()
@@ -216,6 +218,15 @@ class FrontEndMetrics:
             multiprocess_mode="mostrecent",
         )
 
+    def labelled(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once per label values: every label of the
+        front end takes a handful of values (dialects, outcomes, engines)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def record_memory(self, readouts: Iterable[Any]) -> None:
         """Set the memory gauges from ``transports.redis.eviction.Memory`` readouts."""
         for memory in readouts:
@@ -223,12 +234,12 @@ class FrontEndMetrics:
             self.redis_max_memory.labels(server=memory.server).set(memory.max_bytes)
 
     def record_prompt(self, continued: bool, fallback: str | None) -> None:
-        self.faithful_prompts.labels(kind="continued" if continued else "root").inc()
+        self.labelled(self.faithful_prompts, "continued" if continued else "root").inc()
         if fallback is not None:
             self.faithful_fallbacks.labels(reason=fallback).inc()
 
     def record_call(self, dialect: str, outcome: str, put_seconds: float | None = None) -> None:
-        self.calls.labels(dialect=dialect, outcome=outcome).inc()
+        self.labelled(self.calls, dialect, outcome).inc()
         if outcome == "captured":
             self.captured.inc()
         elif outcome == "incomplete":

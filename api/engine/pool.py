@@ -135,11 +135,12 @@ class EnginePool:
 
     def _count(self, engine: Engine, outcome: str) -> None:
         if self._metrics is not None:
-            self._metrics.engine_calls.labels(engine=engine.where, outcome=outcome).inc()
+            self._metrics.labelled(self._metrics.engine_calls, engine.where, outcome).inc()
 
     def _gauge(self, engine: Engine) -> None:
         if self._metrics is not None:
-            self._metrics.engine_in_flight.labels(engine=engine.where).set(engine.in_flight)
+            gauge = self._metrics.labelled(self._metrics.engine_in_flight, engine.where)
+            gauge.set(engine.in_flight)
 
     def eject(self, engine: Engine) -> None:
         """Take a failing engine out, and ask it until it answers again."""
