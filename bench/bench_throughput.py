@@ -33,6 +33,9 @@ With many rollouts in flight, against 4c3662a (whose chain memo kept 64 rollouts
 file store handed each write to a pool): 200 loops 2.11 ms (499/s) -> 1.38 ms (728/s);
 1,000 loops 2.31 ms (448/s) -> 1.92 ms (540/s); ``--grow 16`` at 200 loops 1.90 ms (557/s)
 -> 1.49 ms (702/s).
+Against 2b77289 (3 rounds, alternating): at 300 tokens and 200 loops captured 1.234 ms
+(742/s) -> 1.160 ms (799/s), untagged 0.645 -> 0.618 ms; at 16k tokens and 200 loops
+1.929 ms (533/s) -> 1.802 ms (567/s) (2 rounds; this machine ran slower that day).
 """
 
 from __future__ import annotations
