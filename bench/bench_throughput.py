@@ -33,9 +33,11 @@ With many rollouts in flight, against 4c3662a (whose chain memo kept 64 rollouts
 file store handed each write to a pool): 200 loops 2.11 ms (499/s) -> 1.38 ms (728/s);
 1,000 loops 2.31 ms (448/s) -> 1.92 ms (540/s); ``--grow 16`` at 200 loops 1.90 ms (557/s)
 -> 1.49 ms (702/s).
-Against 2b77289 (3 rounds, alternating): at 300 tokens and 200 loops captured 1.234 ms
-(742/s) -> 1.160 ms (799/s), untagged 0.645 -> 0.618 ms; at 16k tokens and 200 loops
-1.929 ms (533/s) -> 1.802 ms (567/s) (2 rounds; this machine ran slower that day).
+The rounds alternate which front end runs first: with "before" always first, a front end
+measured 6% slower than its own copy. Against 2b77289, 4 rounds, on a day this machine ran
+half as fast: at 300 tokens and 200 loops captured 2.063 ms (491/s) -> 1.856 ms (543/s),
+untagged 0.973 -> 0.824 ms; at 16k tokens and 200 loops 2.900 ms (351/s) -> 2.706 ms
+(374/s). The same tree against itself: 1.698 and 1.719 ms.
 """
 
 from __future__ import annotations
@@ -194,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         name = "after" if args.baseline_src else "this"
         fronts[name] = stack.enter_context(front_end(name, Path(tmp), replay, None))
         for round_index in range(args.rounds):
-            for name, front in fronts.items():
+            # Each round in the other order: run first or second, a front end measured 6%
+            # apart from its own copy (before 2026-12-06 every round ran "before" first).
+            order = list(fronts.items())
+            for name, front in order[::-1] if round_index % 2 else order:
                 for kind in KINDS if args.untagged else KINDS[:1]:
                     results.setdefault(f"{name}, {kind}", []).append(
                         round_of(front, f"{name}{round_index}", bodies, args, kind == "captured")

