@@ -50,6 +50,8 @@ CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # Seconds a cold start may take (a compile cache is not used: --enforce-eager); SGLang on
 # the CPU took just over 300 s on a slow day (2026-12-06).
 START_TIMEOUT_S = 600
+# How long one look at SGLang's /health waits: it generates a token to answer.
+HEALTH_EACH_S = 30.0
 PARSERS = (
     "--reasoning-parser",
     "qwen3",
@@ -262,7 +264,11 @@ def running_sglang(
     environment = {**sglang_env(), **(env or {})}
     try:
         with run_process(
-            command, ready_url=url + "/health", env=environment, timeout=START_TIMEOUT_S
+            command,
+            ready_url=url + "/health",
+            env=environment,
+            timeout=START_TIMEOUT_S,
+            ready_each_s=HEALTH_EACH_S,
         ) as launcher:
             children = process_tree(launcher.pid)[1:]
             if kept_as is not None:
