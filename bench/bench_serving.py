@@ -29,10 +29,11 @@ x0.91-0.93 (1.27-1.31 ms) -> x0.93-0.94 (1.10 ms), intents as batched scripts. A
 file x0.96 -> x0.97, Redis x0.97 -> x0.98. Untagged (``--untagged``): x0.96 at 0.71 ms a call,
 so capturing still adds about 0.4 ms of a short call.
 Then, against 2b77289 in eight pairs of runs (base first) on a noisier day (the same code
-took 1.35-1.50 ms a call): file store x0.90-0.92 (1.35-1.47 ms) -> x0.91-0.93 (1.24-1.51 ms, median 1.29),
-Redis x0.91-0.93 (1.34-1.50 ms) -> x0.93-0.94 (1.30-1.34 ms), every rollout exact: a crew of
-sync threads instead of a pool's future per sync, model calls past FastAPI's router, metric
-children looked up once. At 400 loops both stay x0.95-0.98, inside this machine's noise.
+took 1.35-1.50 ms a call): file store x0.90-0.92 (1.35-1.47 ms) -> x0.91-0.93 (1.24-1.51
+ms, median 1.29), Redis x0.91-0.93 (1.34-1.50 ms) -> x0.93-0.94 (1.30-1.34 ms), every
+rollout exact: a crew of sync threads instead of a pool's future per sync, model calls past
+FastAPI's router, metric children looked up once. At 400 loops both stay x0.95-0.98,
+inside this machine's noise.
 """
 
 from __future__ import annotations

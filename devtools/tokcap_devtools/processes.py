@@ -82,19 +82,21 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def wait_http(
-    url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None, each_s: float = 1.0
-) -> None:
-    """Poll ``url`` until it answers (any status), or fail with what is known. ``each_s``:
-    how long one poll waits for its answer (SGLang answers ``/health`` with a one-token
-    generation, which a slow CPU takes over a second to make: cut at 1 s and asked again,
-    none ever finished in 600 s)."""
+# How long one look of ``wait_http`` waits for its answer (a refused connection fails at once).
+LOOK_S = 30.0
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers (any status), or fail with what is known. Each look
+    waits up to ``LOOK_S`` for its answer: SGLang answers ``/health`` with a one-token
+    generation, which a slow CPU took over a second to make, and looks cut at 1 s and asked
+    again never saw one finish."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
         try:
-            httpx.get(url, timeout=min(each_s, max(deadline - time.monotonic(), 0.1)))
+            httpx.get(url, timeout=min(LOOK_S, max(deadline - time.monotonic(), 0.1)))
             return
         except httpx.HTTPError:
             time.sleep(0.05)

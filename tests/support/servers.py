@@ -50,7 +50,6 @@ def run_process(
     ready_url: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
-    ready_each_s: float = 1.0,
 ) -> Iterator[subprocess.Popen]:
     """Start a child process (``python -m ...`` style args allowed) and stop it by PID."""
     if args and args[0] == "python":
@@ -67,7 +66,7 @@ def run_process(
         try:
             if ready_url:
                 try:
-                    wait_http(ready_url, timeout, proc, ready_each_s)
+                    wait_http(ready_url, timeout=timeout, proc=proc)
                 except (RuntimeError, TimeoutError) as exc:
                     output.seek(0)
                     tail = output.read()[-3000:].decode(errors="replace")
