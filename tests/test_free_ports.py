@@ -57,3 +57,15 @@ def test_a_forked_child_walks_its_own_order() -> None:
     finally:
         process.join(timeout=10)
     assert theirs != [free_port() for _ in range(5)]
+
+
+def test_parallel_test_workers_walk_disjoint_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under pytest-xdist each worker process takes its ports from a share of its own."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    shares = []
+    for name in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", name)
+        processes._port_order.cache_clear()
+        shares.append({port % 3 for port in distinct_free_ports(30)})
+    processes._port_order.cache_clear()  # the real environment's order again
+    assert shares == [{0}, {1}, {2}]

@@ -37,12 +37,25 @@ def ephemeral_low() -> int:
     return 32768
 
 
+def _worker_share() -> tuple[int, int]:
+    """This test worker's share of the ports (index, count) when pytest-xdist runs the tests
+    in several processes (its ``PYTEST_XDIST_WORKER`` is ``gw<index>``); (0, 1) otherwise."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    with contextlib.suppress(ValueError):
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        if name.startswith("gw") and count > 1:
+            return int(name[2:]) % count, count
+    return 0, 1
+
+
 @functools.cache
 def _port_order(pid: int) -> tuple[int, Iterator[int]]:
     """How many candidate ports there are, and process ``pid``'s endless walk over them in
     an order of its own: its successive servers never get one port twice before every
-    candidate was tried, and another process (a forked child too) walks another order."""
-    ports = list(range(PORT_FLOOR, min(PORT_CEILING, ephemeral_low())))
+    candidate was tried, and another process (a forked child too) walks another order.
+    Parallel test workers walk disjoint shares, so two never choose one port at once."""
+    index, count = _worker_share()
+    ports = [p for p in range(PORT_FLOOR, min(PORT_CEILING, ephemeral_low())) if p % count == index]
     random.shuffle(ports)
     return len(ports), itertools.cycle(ports)
 
