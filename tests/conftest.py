@@ -1,17 +1,19 @@
 """Shared fixtures live in plugin modules, one per concern, so parts can grow independently.
 
-The suite runs in two processes (pytest-xdist, ``-n 2 --dist loadgroup``: the README's
-command). Each module is one unit of work, so its module-scoped servers start once; the
-real-engine tier is one unit (its engines are session fixtures, started once per process,
-and one process installs them), and it goes first: it is the longest, and the other process
-runs the rest of the suite beside it.
+The suite runs in two processes (pytest-xdist, ``-n 2``: the README's command). Each module
+is one unit of work, so its module-scoped servers start once; the real-engine tier is one
+unit (its engines are session fixtures, started once per process, and one process installs
+them), and it goes first: it is the longest, and the other process runs the rest of the
+suite beside it.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 pytest_plugins = [
     "tests.support.fixtures_redis",
@@ -22,14 +24,19 @@ pytest_plugins = [
 REAL_ENGINES = "tests/real_engines/"
 
 
-def _unit_of_work(item: pytest.Item) -> str:
-    """The xdist group an item runs in: the real-engine tier's, else its module's."""
-    module = item.nodeid.split("::", 1)[0]
-    return "real_engines" if module.startswith(REAL_ENGINES) else module
+class UnitsOfWork(LoadScopeScheduling):
+    """xdist's per-module scheduling, with the real-engine tier as a single unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return "real_engines" if nodeid.startswith(REAL_ENGINES) else super()._split_scope(nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> UnitsOfWork:
+    return UnitsOfWork(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_unit_of_work(item)))
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: the tier first
+    """Each xdist worker sorts alike, the tier first; units go out in this order
+    (``--no-loadscope-reorder``)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: not item.nodeid.startswith(REAL_ENGINES))
