@@ -1,42 +1,9 @@
-"""Shared fixtures live in plugin modules, one per concern, so parts can grow independently.
-
-The suite runs in two processes (pytest-xdist, ``-n 2``: the README's command). Each module
-is one unit of work, so its module-scoped servers start once; the real-engine tier is one
-unit (its engines are session fixtures, started once per process, and one process installs
-them), and it goes first: it is the longest, and the other process runs the rest of the
-suite beside it.
-"""
-
-from __future__ import annotations
-
-import os
-from typing import Any
-
-import pytest
-from xdist.scheduler import LoadScopeScheduling
+"""Shared fixtures live in plugin modules, one per concern, so parts can grow independently;
+``tests.support.parallel`` splits the suite between pytest-xdist's processes."""
 
 pytest_plugins = [
     "tests.support.fixtures_redis",
     "tests.support.fixtures_cluster",
     "tests.support.fixtures_stores",
+    "tests.support.parallel",
 ]
-
-REAL_ENGINES = "tests/real_engines/"
-
-
-class UnitsOfWork(LoadScopeScheduling):
-    """xdist's per-module scheduling, with the real-engine tier as a single unit."""
-
-    def _split_scope(self, nodeid: str) -> str:
-        return "real_engines" if nodeid.startswith(REAL_ENGINES) else super()._split_scope(nodeid)
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> UnitsOfWork:
-    return UnitsOfWork(config, log)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each xdist worker sorts alike, the tier first; units go out in this order
-    (``--no-loadscope-reorder``)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: not item.nodeid.startswith(REAL_ENGINES))
