@@ -36,12 +36,15 @@ FastAPI's router, metric children looked up once. At 400 loops both stay x0.95-0
 inside this machine's noise.
 
 ``--pin`` puts the front end on core 1 alone and the loops' client and the engines on core 0
-(``taskset``), as a front end deployed beside its engines has CPU of its own. On two shared
-cores every millisecond of the front end's CPU is taken from the client and the engine in
-each turn's burst of 1,000 calls, so the shared figure measures the machine as much as the
-front end. 1,000 loops, 4 turns, file store, five runs each on one day (c. 2 ms of
-front-end CPU a call): shared x0.84-0.91 (median x0.87), pinned x0.92-1.04 (median x0.96),
-every rollout exact; the direct run itself is as fast on one core as on two.
+(``taskset``; a Redis store on core 1 too), as a front end deployed beside its engines has
+CPU of its own. On two shared cores every millisecond of the front end's CPU is taken from
+the client and the engine in each turn's burst of 1,000 calls, so the shared figure measures
+the machine as much as the front end; the direct run itself is as fast on one core as on
+two. 1,000 loops, 4 turns, one worker, on one day (about 2 ms of front-end CPU a call, the
+machine's speed drifting by a quarter within minutes), every rollout exact: file store
+shared x0.84-0.91 (median x0.87, five runs), pinned x0.92-1.04 (median x0.96, five); Redis
+shared x0.88-0.96 (three), pinned x0.86-1.00 (median x0.91, four; Redis shares the front
+end's core).
 """
 
 from __future__ import annotations
@@ -84,6 +87,17 @@ TOOL = {
 PROFILED_SERVE = str(Path(__file__).with_name("profiled_serve.py"))
 # ``--pin``: the front end's command starts with ``taskset`` to a core of its own.
 FRONT_END_PREFIX: list[str] = []
+FRONT_END_CORE = 1
+
+
+def on_front_end_core(pid: int) -> None:
+    """With ``--pin``, move every thread of process ``pid`` (its store) to the front end's
+    core: the store serves the front end, not the loops."""
+    if FRONT_END_PREFIX:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), {FRONT_END_CORE})
+
+
 FILE_CONFIG = "token_id_capture:\n  enabled: true\n  dir: {dir}\n  rebuild_response: false\n"
 REDIS_CONFIG = (
     "token_id_capture:\n  enabled: true\n  sink: transports.redis:RedisTokenSink\n"
@@ -121,6 +135,8 @@ def front_end(
             data = tmp / f"redis-{time.monotonic_ns()}"
             data.mkdir()
             server = RedisServer(data).start()
+            assert server.proc is not None, "a started server has its process"
+            on_front_end_core(server.proc.pid)
             stack.callback(server.stop)
             config = REDIS_CONFIG.format(url=server.url)
             source = lambda: RedisTokenStore(url=server.url)  # noqa: E731
@@ -380,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pin:  # the engines start from this process, so they inherit its core
         os.sched_setaffinity(0, {0})
-        FRONT_END_PREFIX[:] = ["taskset", "-c", "1"]
+        FRONT_END_PREFIX[:] = ["taskset", "-c", str(FRONT_END_CORE)]
     with tempfile.TemporaryDirectory(prefix="tokcap-bench-serving-") as tmp:
         if not args.skip_load:
             for store in args.stores:
