@@ -18,11 +18,16 @@ from xdist.scheduler import LoadScopeScheduling
 REAL_ENGINES = "tests/real_engines/"
 
 
+def in_tier(nodeid: str) -> bool:
+    """Whether a test belongs to the real-engine tier."""
+    return nodeid.startswith(REAL_ENGINES)
+
+
 class UnitsOfWork(LoadScopeScheduling):
     """xdist's per-module scheduling, with the real-engine tier as a single unit."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return "real_engines" if nodeid.startswith(REAL_ENGINES) else super()._split_scope(nodeid)
+        return "real_engines" if in_tier(nodeid) else super()._split_scope(nodeid)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> UnitsOfWork:
@@ -33,4 +38,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each xdist worker sorts alike, the tier first; the units go out in this order
     (``--no-loadscope-reorder``). A run in one process keeps pytest's order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: not item.nodeid.startswith(REAL_ENGINES))
+        items.sort(key=lambda item: not in_tier(item.nodeid))
