@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,6 +24,7 @@ from api.call.policy import PolicyVersion, policy_version_route
 from api.call.routes import OwnBodyRoute, count_tokens, model_route, models
 from api.call.serve import serve_call
 from api.call.updates import WeightUpdates, pause_route, resume_route
+from api.collector import collect_on_a_clock, stop_collecting_on_allocations
 from api.dialects import DIALECTS, anthropic
 from api.edge import status
 from api.edge.body import BodyLimit
@@ -68,22 +68,6 @@ async def _start_sink(settings: ServerSettings) -> tuple[TokenSink | None, bool]
 # An older FastAPI keeps the setting as an unused extra.
 NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
-# Full collections ten times rarer than Python's default: each walks every call in flight
-# (about 50 ms of event-loop stall at 1,000 loops), and a call's objects die by reference
-# count, not in cycles, so waiting longer holds little.
-FULL_COLLECTION_EVERY = 100
-
-
-def _tune_collector() -> None:
-    """A worker that is a process of its own moves what its start-up built out of the
-    collector's reach (a full collection under load then walks only the calls in flight:
-    44 -> 15 ms at 400 loops, bench_serving) and collects fully less often. Not for an app
-    embedded in another process (tests), whose other objects it would keep forever."""
-    gc.collect()
-    gc.freeze()
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
-
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI, front: FrontEnd, own_process: bool) -> AsyncIterator[None]:
@@ -99,9 +83,10 @@ async def _lifespan(app: FastAPI, front: FrontEnd, own_process: bool) -> AsyncIt
     front.started(engines, prompts, policy)
     with contextlib.suppress(Exception):
         await policy.refresh()  # a version set before this worker started
-    if own_process:
-        _tune_collector()
     following = [asyncio.create_task(policy.follow()), asyncio.create_task(engines.watch_health())]
+    if own_process:  # an embedded app leaves its process's collector as it is
+        stop_collecting_on_allocations()
+        following.append(asyncio.create_task(collect_on_a_clock()))
     if settings.engines_file:
         apply = functools.partial(apply_engines, engines, settings, prompts)
         following.append(asyncio.create_task(watch_engines(settings.engines_file, apply)))
