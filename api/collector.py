@@ -8,7 +8,7 @@ counting frees them when the call ends. So a worker that is a process of its own
 its start-up built out of the collector's reach (``gc.freeze``), turns automatic collection
 off, and collects fully every ``COLLECT_EVERY_S``, or sooner once ``MOST_UNCOLLECTED``
 tracked objects were made since the last collection. Each collection walks the calls in
-flight once (about 180 ms at 1,000 loops, the stall a full collection always was), and
+flight once (about 200 ms at 1,000 loops, the stall a full collection always was), and
 cyclic garbage waits for it at most ``COLLECT_EVERY_S``.
 
 An app embedded in another process leaves that process's collector as it is.
@@ -22,7 +22,7 @@ import time
 
 # Seconds between full collections: cyclic garbage lives at most this long. Each walks the
 # calls in flight once, where Python's scheme walks every call's objects twice, so the clock
-# costs less for every call shorter than twice this (at 1,000 loops: about 6 against 35 ms
+# costs less for every call shorter than twice this (at 1,000 loops: about 6 against 40 ms
 # of CPU a second); a longer call is walked more often, at a cost that stays small.
 COLLECT_EVERY_S = 30.0
 # Tracked objects made (and still alive or in cycles) since the last collection that make

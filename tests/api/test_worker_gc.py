@@ -33,7 +33,9 @@ asyncio.run(main())
 
 
 @pytest.mark.parametrize(("process", "own"), [("own", True), ("embedded", False)])
-def test_a_worker_freezes_what_its_start_up_built(tmp_path: Path, process: str, own: bool) -> None:
+def test_a_worker_freezes_its_start_up_and_stops_collecting_on_allocations(
+    tmp_path: Path, process: str, own: bool
+) -> None:
     done = subprocess.run(
         [sys.executable, "-c", STARTED, str(tmp_path / "captures"), process],
         capture_output=True,
