@@ -22,7 +22,7 @@ import time
 
 # Seconds between full collections: cyclic garbage lives at most this long. Each walks the
 # calls in flight once, where Python's scheme walks every call's objects twice, so the clock
-# costs less for every call shorter than twice this (at 1,000 loops: about 6 against 40 ms
+# costs less for every call shorter than twice this (at 1,000 loops: about 8 against 40 ms
 # of CPU a second); a longer call is walked more often, at a cost that stays small.
 COLLECT_EVERY_S = 30.0
 # Tracked objects made (and still alive or in cycles) since the last collection that make
