@@ -51,6 +51,21 @@ x0.95-0.98 (1.29-1.34 ms a call) -> x0.97-0.99 (1.13-1.18 ms), Redis x0.95-0.97 
 ms) -> x0.96 (1.14-1.20 ms); pinned, file x0.98-1.00 -> x0.97-1.01, Redis x0.96-0.97 ->
 x0.98; 4 turns, file x0.93 (1.29-1.46 ms) -> x0.93-0.96 (1.22-1.34 ms). The front end's
 collections over 8 turns: 1.56 s of CPU -> 0.30 s, the longest pause 205 -> 235 ms.
+Where the rest goes (7f0110b, one worker, on a day it took 1.0 ms of front-end CPU a call,
+every rollout exact): x0.98-0.99 at 400 loops; at 1,000 loops x0.96 (file) and x0.97 (Redis)
+with 4 turns, x0.94-0.95 and x0.93-0.94 with 2 (the default), x0.98 and x0.97 pinned. Off
+the capture path (``--untagged``, 2 turns) x0.96 at 0.61 ms a call: the hop itself. The gap
+sits in the first turn. Every client request is sent by 0.4 s in both runs; the engine,
+which spends about 1.1 ms of its CPU taking in each call, has all 1,000 by 1.1 s direct and
+by 2.0 s through tokcap: the front end takes in the whole burst before the first call goes
+on (each call waits for its connection to the engine behind every other call's parse), so
+the engine starts 0.3 s late and then shares the cores with the front end. Later turns
+reuse warm connections and add about 0.05 s each. Tried and not kept, no change: a new
+log's directory synced with its first durable record instead of with its intent, 4 sync
+threads instead of 32, a 0.5 ms GIL switch interval.
+On ext4 without a journal (this machine kind) a file created within 30 s of deleting
+others costs about 260 us of CPU instead of 20 (the kernel skips recently freed inodes),
+so a run started right after another one's clean-up pays for it in its first turn's logs.
 """
 
 from __future__ import annotations
