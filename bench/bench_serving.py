@@ -55,12 +55,13 @@ Where the rest goes (7f0110b, one worker, on a day it took 1.0 ms of front-end C
 every rollout exact): x0.98-0.99 at 400 loops; at 1,000 loops x0.96 (file) and x0.97 (Redis)
 with 4 turns, x0.94-0.95 and x0.93-0.94 with 2 (the default), x0.98 and x0.97 pinned. Off
 the capture path (``--untagged``, 2 turns) x0.96 at 0.61 ms a call: the hop itself. The gap
-sits in the first turn. Every client request is sent by 0.4 s in both runs; the engine,
-which spends about 1.1 ms of its CPU taking in each call, has all 1,000 by 1.1 s direct and
-by 2.0 s through tokcap: the front end takes in the whole burst before the first call goes
-on (each call waits for its connection to the engine behind every other call's parse), so
-the engine starts 0.3 s late and then shares the cores with the front end. Later turns
-reuse warm connections and add about 0.05 s each. Tried and not kept, no change: a new
+sits in the first turn (1 turn: x0.89-0.92, 1.4 ms a call, against 0.9 ms for a later turn).
+Timed in the front end (1 turn): the client has sent every request by 0.4 s and the front
+end has read them all by 0.48 s; it sends the first on at 0.63 s and the last at 0.9 s,
+each call's engine request a task of its own, queued behind every other call's parse and
+intent (0.14-0.32 s from the call's work to its POST; its new connection takes 1 ms). The
+engine, now sharing the two cores with the front end, has the last call at 2.0 s. Tried
+and not kept, no change: a new
 log's directory synced with its first durable record instead of with its intent, 4 sync
 threads instead of 32, a 0.5 ms GIL switch interval.
 On ext4 without a journal (this machine kind) a file created within 30 s of deleting
