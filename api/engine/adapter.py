@@ -81,7 +81,7 @@ class IdsStream(Protocol):
 
 class EngineAdapter(Protocol):
     """One engine family's wire: its request bodies, how its replies are read and checked,
-    what it is asked at the first call, and where its settings are fixed."""
+    what it is asked once (as the worker starts), and where its settings are fixed."""
 
     name: str
     chat_path: str

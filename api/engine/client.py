@@ -1,10 +1,10 @@
 """The client of the upstream engine: one connection pool, one adapter, checked replies.
 
 A model call becomes one request in the engine's own format (``api.engine.adapter``; the
-family is ``model_server.engine`` or, with ``auto``, learned from the engine's answers at
-the first call): whole, or relayed as a stream where the engine's stream carries every id.
-Its reply is read and checked by the adapter before anything is captured. Around the adapter
-the client handles what every engine shares:
+family is ``model_server.engine`` or, with ``auto``, learned from the engine's answers as
+the worker starts, or at the first call): whole, or relayed as a stream where the engine's
+stream carries every id. Its reply is read and checked by the adapter before anything is
+captured. Around the adapter the client handles what every engine shares:
 
 - the base URL may end in ``/v1`` or not; ``upstream_api_key`` goes out as
   ``Authorization: Bearer`` and never into a message or a log line; a user and password in
@@ -94,9 +94,10 @@ def _refusal(status: int, content: bytes) -> UpstreamError:
 class UpstreamClient:
     """One connection pool to the engine per worker, and what it learned of the engine.
 
-    The engine family (``auto``) and ``max_model_len`` come from ``GET /v1/models`` at the
-    first call, and then whatever the family's adapter asks (``EngineAdapter.learn``). All
-    are asked once and kept for the client's life.
+    The engine family (``auto``) and ``max_model_len`` come from ``GET /v1/models`` as the
+    worker starts (``EnginePool.learn``; else at the first call), and then whatever the
+    family's adapter asks (``EngineAdapter.learn``). All are asked once and kept for the
+    client's life.
     """
 
     def __init__(
@@ -121,7 +122,7 @@ class UpstreamClient:
         self.model = model
         self.sampling_overrides = dict(sampling_overrides or {})
         self.vocab_size = vocab_size
-        self.engine = engine_family(engine)  # "auto" until the first call names the family
+        self.engine = engine_family(engine)  # "auto" until the engine names its family
         self.adapter: EngineAdapter = FAMILIES.get(self.engine, FAMILIES["vllm"])()
         self.routed_experts = routed_experts  # every call's routes captured and checked
         self.moe = moe  # the MoE shape the routes are checked against (SGLang: shaped by)

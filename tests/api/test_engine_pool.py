@@ -170,15 +170,17 @@ def test_engines_named_in_the_watched_file_join_and_leave_while_calls_run(tmp_pa
         assert named == [first, _home(rollout, [first, second]), second]
 
 
-def _header_recorder(engine: str, seen: list[dict[str, str]]) -> FastAPI:
-    """A pass-through to ``engine`` that keeps each sampling request's headers: what a
-    router in front of the engines would read."""
+Seen = list[tuple[str, str, dict[str, str]]]
+
+
+def _recorder(engine: str, seen: Seen) -> FastAPI:
+    """A pass-through to ``engine`` that keeps each request's method, path and headers: what
+    a router in front of the engines would read."""
     app = FastAPI()
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
-        if request.method == "POST":
-            seen.append(dict(request.headers))
+        seen.append((request.method, f"/{path}", dict(request.headers)))
         async with httpx.AsyncClient(timeout=60) as client:
             reply = await client.request(
                 request.method,
@@ -194,9 +196,9 @@ def _header_recorder(engine: str, seen: list[dict[str, str]]) -> FastAPI:
 def test_every_engine_request_carries_the_rollout_as_the_routers_affinity_key(
     tmp_path: Path,
 ) -> None:
-    seen: list[dict[str, str]] = []
+    seen: Seen = []
     with engine_server() as engine:
-        with serve_app(_header_recorder(engine, seen), ready_path="/health") as router:
+        with serve_app(_recorder(engine, seen), ready_path="/health") as router:
             with front_end(file_store_settings(router, tmp_path / "store")) as front:
                 _converse(front, "keyed-rollout", turns=2)
                 httpx.post(  # no rollout: nothing to keep together
@@ -208,9 +210,30 @@ def test_every_engine_request_carries_the_rollout_as_the_routers_affinity_key(
                     },
                     headers={"x-api-key": "dummy"},
                 ).raise_for_status()
-    keyed = [headers for headers in seen if "x-smg-routing-key" in headers]
-    assert len(keyed) == 2 and len(seen) == 3
+    posts = [headers for method, _, headers in seen if method == "POST"]
+    keyed = [headers for headers in posts if "x-smg-routing-key" in headers]
+    assert len(keyed) == 2 and len(posts) == 3
     assert all(h["x-smg-routing-key"] == h["x-session-id"] == "keyed-rollout" for h in keyed)
+
+
+def test_a_worker_asks_its_engines_what_they_are_as_it_starts_not_at_its_first_call(
+    tmp_path: Path,
+) -> None:
+    """Left to the first call, the questions went out on an event loop busy with the first
+    burst, and every call of the burst waited for their answers."""
+    seen: Seen = []
+    with engine_server() as engine:
+        with serve_app(_recorder(engine, seen), ready_path="/health") as router:
+            with front_end(file_store_settings(router, tmp_path / "store")) as front:
+                deadline = time.monotonic() + 30
+                while not any(path == "/version" for _, path, _ in seen):
+                    assert time.monotonic() < deadline, "the engine was never asked"
+                    time.sleep(0.05)
+                asked_before = [path for method, path, _ in seen if method == "GET"]
+                assert not any(method == "POST" for method, _, _ in seen)
+                _converse(front, "asked-rollout", turns=2)
+    assert {"/v1/models", "/version"} <= set(asked_before)
+    assert [path for _, path, _ in seen].count("/version") == 1  # never asked again
 
 
 def test_a_pause_and_resume_reach_every_engine_of_the_pool(tmp_path: Path) -> None:
