@@ -57,13 +57,17 @@ with 4 turns, x0.94-0.95 and x0.93-0.94 with 2 (the default), x0.98 and x0.97 pi
 the capture path (``--untagged``, 2 turns) x0.96 at 0.61 ms a call: the hop itself. The gap
 sits in the first turn (1 turn: x0.89-0.92, 1.4 ms a call, against 0.9 ms for a later turn).
 Timed in the front end (1 turn): the client has sent every request by 0.4 s and the front
-end has read them all by 0.48 s; it sends the first on at 0.63 s and the last at 0.9 s,
-each call's engine request a task of its own, queued behind every other call's parse and
-intent (0.14-0.32 s from the call's work to its POST; its new connection takes 1 ms). The
-engine, now sharing the two cores with the front end, has the last call at 2.0 s. Tried
-and not kept, no change: a new
-log's directory synced with its first durable record instead of with its intent, 4 sync
-threads instead of 32, a 0.5 ms GIL switch interval.
+end has read them all by 0.48 s, but sent the first on only at 0.63 s and the last at 0.9 s:
+every call of the burst waited for the engine's start-up questions, which the first call
+asked on the busy event loop (0.14-0.32 s from a call's work to its POST). Asked as the
+worker starts (9ed7ce5, ``EnginePool.learn``): p50 52-56 ms, the last call out at 0.67 s; 2
+turns, file store, x0.93/0.92/0.92/0.92/0.95/0.92 (1.04-1.12 ms a call) -> x0.95/0.92/0.94/
+0.95/0.93/0.95 (0.87-0.97 ms) in alternating runs, Redis x0.95/0.96/0.93 -> x0.94/0.92/0.95.
+What is left is the engine taking in the burst (about 1.1 ms of its CPU a call) 0.2 s later
+than direct, on cores it shares with the front end's first-call work (new connections, new
+logs, request traits of new texts). Run to run, these ratios move by about 0.02. Tried
+and not kept, no change: a new log's directory synced with its first durable record
+instead of with its intent, 4 sync threads instead of 32, a 0.5 ms GIL switch interval.
 On ext4 without a journal (this machine kind) a file created within 30 s of deleting
 others costs about 260 us of CPU instead of 20 (the kernel skips recently freed inodes),
 so a run started right after another one's clean-up pays for it in its first turn's logs.
