@@ -83,8 +83,11 @@ async def _lifespan(app: FastAPI, front: FrontEnd, own_process: bool) -> AsyncIt
     front.started(engines, prompts, policy)
     with contextlib.suppress(Exception):
         await policy.refresh()  # a version set before this worker started
-    following = [asyncio.create_task(policy.follow()), asyncio.create_task(engines.watch_health())]
-    following.append(asyncio.create_task(engines.learn()))
+    following = [
+        asyncio.create_task(engines.learn()),
+        asyncio.create_task(policy.follow()),
+        asyncio.create_task(engines.watch_health()),
+    ]
     if own_process:  # an embedded app leaves its process's collector as it is
         stop_collecting_on_allocations()
         following.append(asyncio.create_task(collect_on_a_clock()))
