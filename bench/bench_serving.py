@@ -18,6 +18,13 @@ Then the first streamed delta: ``--stream-calls`` streamed chat calls one after 
 an engine with a time to the first token and a time per token, direct and relayed through
 tokcap: p50 of the time to the first content delta, and the largest gap between deltas.
 
+``--repeat N`` runs each scenario N times, each round on fresh engines (direct, then
+tokcap), and ends with the median ratio and its range: one round moves by a few hundredths
+on a shared machine, so quote the median. Each round also prints the engine's CPU a call,
+direct and through tokcap. ``--direct-ids`` adds, to each round, the direct loops asking
+the engine for the ids and log-probs a capture asks for (``api.engine.vllm.CHAT_PARAMS``):
+what capturing costs the engine itself, apart from the front end.
+
 ``--profile`` runs each front end (one worker) under cProfile (``bench/profiled_serve.py``)
 and prints, after its scenario, where its event loop's CPU went, by package and by
 function. Profiling slows the front end, so its throughput is not the figure to quote.
@@ -71,6 +78,17 @@ instead of with its intent, 4 sync threads instead of 32, a 0.5 ms GIL switch in
 On ext4 without a journal (this machine kind) a file created within 30 s of deleting
 others costs about 260 us of CPU instead of 20 (the kernel skips recently freed inodes),
 so a run started right after another one's clean-up pays for it in its first turn's logs.
+With ``--repeat 5 --direct-ids`` (13b227e, 1,000 loops, 2 turns, shared cores, every
+rollout exact): median x0.939 (0.91-0.95) file, x0.938 (0.93-0.95) Redis, at 0.92 and 1.03
+ms of front-end CPU a call; against the direct loops asking for the ids, x0.941 and x0.941.
+The engine's CPU a call is the same either way (through tokcap +0.03 and +0.04 ms, median),
+so the engine's own work for the ids costs nothing measurable here: the gap is the front
+end's. Four rounds each, file store: untagged x0.96-0.97 at 0.62-0.68 ms a call, captured
+x0.930 (0.92-0.95) beside them; the same tree without fsync x0.937, so syncs are not it.
+Tried and not kept: at most 16 calls prepared at once (a semaphore from the read body to
+the engine request), so the engine gets the first calls of a burst sooner: x0.910
+(0.89-0.98), the engine then spending 0.34 ms more CPU a call on requests that arrive one
+by one instead of in a burst it reads together.
 """
 
 from __future__ import annotations
@@ -85,13 +103,15 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
 
+from api.engine.vllm import CHAT_PARAMS
 from bench.bench_frontend import cpu_seconds
 from bench.profiled_serve import summary
 from capture.delivery import finalize_rollout_token_capture
@@ -132,7 +152,8 @@ REDIS_CONFIG = (
 
 
 @contextlib.contextmanager
-def engine(tmp: Path, first_s: float, token_s: float = 0.0) -> Iterator[tuple[str, Path]]:
+def engine(tmp: Path, first_s: float, token_s: float = 0.0) -> Iterator[tuple[str, Path, int]]:
+    """A fresh paced engine; yields its URL, its ground-truth log and its PID."""
     port, truth = free_port(), tmp / f"truth-{time.monotonic_ns()}.jsonl"
     args = [
         sys.executable,
@@ -146,8 +167,8 @@ def engine(tmp: Path, first_s: float, token_s: float = 0.0) -> Iterator[tuple[st
     args += ["--script", write_script(tmp / "script.yaml"), "--ground-truth", str(truth)]
     args += ["--first-token-s", str(first_s), "--token-s", str(token_s)]
     url = f"http://127.0.0.1:{port}"
-    with run_process(args, ready_url=url + "/health"):
-        yield url, truth
+    with run_process(args, ready_url=url + "/health") as proc:
+        yield url, truth, proc.pid
 
 
 @contextlib.contextmanager
@@ -205,14 +226,18 @@ def cpu_s(pid: int) -> float:
     return sum(cpu_seconds(member) for member in process_tree(pid))
 
 
-def turn_body(messages: list[dict[str, Any]], turn: int, turns: int) -> dict[str, Any]:
-    """One Chat call of a tool loop: the tool on offer until the last turn, which answers."""
+def turn_body(
+    messages: list[dict[str, Any]], turn: int, turns: int, asks: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """One Chat call of a tool loop: the tool on offer until the last turn, which answers;
+    ``asks``: more request fields (the ids and log-probs a capture asks the engine for)."""
     return {
         "model": "tokcap-engine",
         "messages": messages,
         "tools": [TOOL],
         "tool_choice": "none" if turn == turns - 1 else "auto",
         "max_tokens": 200,
+        **(asks or {}),
     }
 
 
@@ -224,7 +249,12 @@ def answered(messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
 
 
 async def tool_loop(
-    http: aiohttp.ClientSession, url: str, rollout: str, turns: int, pad: str = ""
+    http: aiohttp.ClientSession,
+    url: str,
+    rollout: str,
+    turns: int,
+    pad: str = "",
+    asks: Mapping[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """One rollout's loop: its replies in order, and the error that ended it, if any; its
     first message carries ``pad`` (a long context)."""
@@ -233,7 +263,8 @@ async def tool_loop(
     replies: list[dict[str, Any]] = []
     try:
         for turn in range(turns):
-            async with http.post(url, json=turn_body(messages, turn, turns)) as response:
+            body = turn_body(messages, turn, turns, asks)
+            async with http.post(url, json=body) as response:
                 if response.status != 200:
                     return replies, f"{response.status} {(await response.text())[:200]}"
                 message = (await response.json())["choices"][0]["message"]
@@ -244,13 +275,18 @@ async def tool_loop(
     return replies, None
 
 
-async def run_loops(url_of: Any, loops: int, turns: int, pad: str = "") -> tuple[float, list[Any]]:
+async def run_loops(
+    url_of: Any, loops: int, turns: int, pad: str = "", asks: Mapping[str, Any] | None = None
+) -> tuple[float, list[Any]]:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         started = time.monotonic()
         done = await asyncio.gather(
-            *(tool_loop(http, url_of(f"bench-{n}"), f"bench-{n}", turns, pad) for n in range(loops))
+            *(
+                tool_loop(http, url_of(f"bench-{n}"), f"bench-{n}", turns, pad, asks)
+                for n in range(loops)
+            )
         )
         return time.monotonic() - started, list(done)
 
@@ -287,50 +323,117 @@ def padding(chars: int) -> str:
     return "\n" + text[:chars]
 
 
-def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, workers: int) -> None:
-    calls = loops * args.turns
+@dataclass
+class Round:
+    """One run of the loops: wall seconds, the engine's CPU a call, the most calls it had
+    at once, and (through tokcap) the front end's figures and the exact rollouts."""
+
+    seconds: float
+    engine_ms: float
+    most: int
+    front_ms: float = 0.0
+    idle_mb: float = 0.0
+    peak_mb: float = 0.0
+    exact: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+def direct_round(args: argparse.Namespace, tmp: Path, loops: int, asks: Any = None) -> Round:
+    """The loops straight to a fresh engine; ``asks``: with a capture's request fields."""
     pad = padding(args.context_chars) if args.context_chars else ""
-    with engine(tmp, args.call_s) as (engine_url, _):
-        direct_s, direct = asyncio.run(
-            run_loops(lambda _: engine_url + "/v1/chat/completions", loops, args.turns, pad)
+    with engine(tmp, args.call_s) as (engine_url, _, engine_pid):
+        before = cpu_s(engine_pid)
+        seconds, _ = asyncio.run(
+            run_loops(lambda _: engine_url + "/v1/chat/completions", loops, args.turns, pad, asks)
         )
-        direct_most = pace(engine_url)["most_in_flight"]
-    profile = tmp / f"serve-{time.monotonic_ns()}.prof" if args.profile else None
-    with engine(tmp, args.call_s) as (engine_url, truth_path):
+        engine_ms = (cpu_s(engine_pid) - before) * 1000 / (loops * args.turns)
+        return Round(seconds, engine_ms, pace(engine_url)["most_in_flight"])
+
+
+def tokcap_round(
+    args: argparse.Namespace, tmp: Path, loops: int, store: str, workers: int, profile: Any
+) -> Round:
+    """The loops through ``tokcap serve`` on the capture path, checked against the engine's
+    ground-truth log."""
+    calls, pad = loops * args.turns, padding(args.context_chars) if args.context_chars else ""
+    with engine(tmp, args.call_s) as (engine_url, truth_path, engine_pid):
         with front_end(tmp, engine_url, store, workers, profile) as (front, source, pid):
             captured = lambda rollout: (  # noqa: E731
                 f"{front}/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
             )
-            idle, cpu_before = rss_mb(pid, "VmRSS"), cpu_s(pid)
-            tokcap_s, through = asyncio.run(run_loops(captured, loops, args.turns, pad))
-            cpu_ms = (cpu_s(pid) - cpu_before) * 1000 / calls
+            idle, cpu_before, engine_before = rss_mb(pid, "VmRSS"), cpu_s(pid), cpu_s(engine_pid)
+            seconds, through = asyncio.run(run_loops(captured, loops, args.turns, pad))
+            front_ms = (cpu_s(pid) - cpu_before) * 1000 / calls
+            engine_ms = (cpu_s(engine_pid) - engine_before) * 1000 / calls
             most = pace(engine_url)["most_in_flight"]
-            rss = rss_mb(pid)
+            peak = rss_mb(pid)
             exact = asyncio.run(exact_rollouts(source, through, GroundTruth(truth_path)))
-    if args.untagged:
-        untagged(args, tmp, loops, store, direct_s, pad)
     errors = Counter(error[:120] for _, error in through if error is not None)
-    print(
-        f"{store:5} x{workers} {loops:5} loops | direct {direct_s:6.1f} s "
-        f"({calls / direct_s:6.1f} calls/s, {direct_most} at once) | tokcap {tokcap_s:6.1f} s "
-        f"({calls / tokcap_s:6.1f} calls/s, {most} at once) | throughput x"
-        f"{direct_s / tokcap_s:.2f} | {errors.total()} errors | {exact}/{loops} exact | front end "
-        f"RSS {idle:.0f} MB idle, {rss:.0f} MB at peak, CPU {cpu_ms:.2f} ms a call",
-        flush=True,
+    return Round(seconds, engine_ms, most, front_ms, idle, peak, exact, errors)
+
+
+def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, workers: int) -> None:
+    """``--repeat`` rounds, each direct (and ``--direct-ids``) then through tokcap on fresh
+    engines; each round's line, then the medians."""
+    calls, rounds = loops * args.turns, []
+    for _ in range(args.repeat):
+        direct = direct_round(args, tmp, loops)
+        with_ids = direct_round(args, tmp, loops, CHAT_PARAMS) if args.direct_ids else None
+        profile = tmp / f"serve-{time.monotonic_ns()}.prof" if args.profile else None
+        through = tokcap_round(args, tmp, loops, store, workers, profile)
+        rounds.append((direct, with_ids, through))
+        ids_part = (
+            f"direct asking ids {with_ids.seconds:6.1f} s (x{with_ids.seconds / through.seconds:.2f},"
+            f" engine {with_ids.engine_ms:.2f} ms a call) | "
+            if with_ids
+            else ""
+        )
+        print(
+            f"{store:5} x{workers} {loops:5} loops | direct {direct.seconds:6.1f} s "
+            f"({calls / direct.seconds:6.1f} calls/s, {direct.most} at once, engine "
+            f"{direct.engine_ms:.2f} ms a call) | {ids_part}tokcap {through.seconds:6.1f} s "
+            f"({calls / through.seconds:6.1f} calls/s, {through.most} at once, engine "
+            f"{through.engine_ms:.2f} ms a call) | throughput x"
+            f"{direct.seconds / through.seconds:.2f} | {through.errors.total()} errors | "
+            f"{through.exact}/{loops} exact | front end RSS {through.idle_mb:.0f} MB idle, "
+            f"{through.peak_mb:.0f} MB at peak, CPU {through.front_ms:.2f} ms a call",
+            flush=True,
+        )
+        for error, count in through.errors.most_common(3):
+            print(f"    {count} x {error}", flush=True)
+        if profile is not None:  # the server has exited, so the profile is written
+            print("\n".join(summary(profile, calls)), flush=True)
+        if args.untagged:
+            untagged(args, tmp, loops, store, direct.seconds)
+    if len(rounds) > 1:
+        print(medians(rounds, f"{store:5} x{workers} {loops:5} loops"), flush=True)
+
+
+def medians(rounds: list[tuple[Round, Round | None, Round]], label: str) -> str:
+    """The median of each round's ratios, with their range: the figure to quote on a noisy
+    machine, where one round moves by a few hundredths."""
+
+    def ratio(values: list[float]) -> str:
+        return f"x{statistics.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
+
+    direct = ratio([d.seconds / t.seconds for d, _, t in rounds])
+    line = f"{label} | {len(rounds)} rounds, median throughput {direct}"
+    if all(ids is not None for _, ids, _ in rounds):
+        with_ids = ratio([ids.seconds / t.seconds for _, ids, t in rounds if ids is not None])
+        line += f", against direct asking ids {with_ids}"
+    engine_ms = statistics.median(t.engine_ms - d.engine_ms for d, _, t in rounds)
+    front_ms = statistics.median(t.front_ms for _, _, t in rounds)
+    return (
+        f"{line} | engine CPU a call through tokcap minus direct, median {engine_ms:+.2f} ms | "
+        f"front end CPU median {front_ms:.2f} ms a call"
     )
-    for error, count in errors.most_common(3):
-        print(f"    {count} x {error}", flush=True)
-    if profile is not None:  # the server has exited, so the profile is written
-        print("\n".join(summary(profile, len(through))), flush=True)
 
 
-def untagged(
-    args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float, pad: str
-) -> None:
+def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float) -> None:
     """The same loops through the front end off the capture path (no rollout in the URL):
     what serving alone costs, so the captured figure tells serving from capturing."""
-    calls = loops * args.turns
-    with engine(tmp, args.call_s) as (engine_url, _):
+    calls, pad = loops * args.turns, padding(args.context_chars) if args.context_chars else ""
+    with engine(tmp, args.call_s) as (engine_url, _, _):
         with front_end(tmp, engine_url, store, 1) as (front, _, pid):
             cpu_before = cpu_s(pid)
             plain_s, plain = asyncio.run(
@@ -370,7 +473,7 @@ async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
 
 
 def latency(args: argparse.Namespace, tmp: Path) -> None:
-    with engine(tmp, args.first_token_s, args.token_s) as (engine_url, _):
+    with engine(tmp, args.first_token_s, args.token_s) as (engine_url, _, _):
         with front_end(tmp, engine_url, "file", 1) as (front, _, _):
             path = "/v1/chat/completions"
             relayed = f"{front}/ng-rollout/first-delta/training-token-capture{path}"
@@ -404,6 +507,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-token-s", type=float, default=0.5)
     parser.add_argument("--token-s", type=float, default=0.05)
     parser.add_argument("--skip-load", action="store_true", help="only the first-delta figures")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of each scenario (direct, then tokcap); more than one prints the medians",
+    )
+    parser.add_argument(
+        "--direct-ids",
+        action="store_true",
+        help="also run the direct loops asking the engine for the ids and log-probs a capture"
+        " asks for: the engine's own share of capturing",
+    )
     parser.add_argument(
         "--untagged",
         action="store_true",
