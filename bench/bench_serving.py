@@ -316,6 +316,11 @@ def pace(engine_url: str) -> dict[str, int]:
     return httpx.get(engine_url + "/tokcap/pace", timeout=30).json()
 
 
+def context_pad(args: argparse.Namespace) -> str:
+    """What each loop's first message carries: ``--context-chars`` of prose, or nothing."""
+    return padding(args.context_chars) if args.context_chars else ""
+
+
 def padding(chars: int) -> str:
     """About ``chars`` characters of varied prose, as a long context."""
     words = ("tokens", "rollout", "engine", "capture", "harness", "policy", "sample", "reply")
@@ -338,9 +343,11 @@ class Round:
     errors: Counter[str] = field(default_factory=Counter)
 
 
-def direct_round(args: argparse.Namespace, tmp: Path, loops: int, asks: Any = None) -> Round:
+def direct_round(
+    args: argparse.Namespace, tmp: Path, loops: int, asks: Mapping[str, Any] | None = None
+) -> Round:
     """The loops straight to a fresh engine; ``asks``: with a capture's request fields."""
-    pad = padding(args.context_chars) if args.context_chars else ""
+    pad = context_pad(args)
     with engine(tmp, args.call_s) as (engine_url, _, engine_pid):
         before = cpu_s(engine_pid)
         seconds, _ = asyncio.run(
@@ -351,11 +358,16 @@ def direct_round(args: argparse.Namespace, tmp: Path, loops: int, asks: Any = No
 
 
 def tokcap_round(
-    args: argparse.Namespace, tmp: Path, loops: int, store: str, workers: int, profile: Any
+    args: argparse.Namespace,
+    tmp: Path,
+    loops: int,
+    store: str,
+    workers: int,
+    profile: Path | None,
 ) -> Round:
     """The loops through ``tokcap serve`` on the capture path, checked against the engine's
     ground-truth log."""
-    calls, pad = loops * args.turns, padding(args.context_chars) if args.context_chars else ""
+    calls, pad = loops * args.turns, context_pad(args)
     with engine(tmp, args.call_s) as (engine_url, truth_path, engine_pid):
         with front_end(tmp, engine_url, store, workers, profile) as (front, source, pid):
             captured = lambda rollout: (  # noqa: E731
@@ -432,7 +444,7 @@ def medians(rounds: list[tuple[Round, Round | None, Round]], label: str) -> str:
 def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float) -> None:
     """The same loops through the front end off the capture path (no rollout in the URL):
     what serving alone costs, so the captured figure tells serving from capturing."""
-    calls, pad = loops * args.turns, padding(args.context_chars) if args.context_chars else ""
+    calls, pad = loops * args.turns, context_pad(args)
     with engine(tmp, args.call_s) as (engine_url, _, _):
         with front_end(tmp, engine_url, store, 1) as (front, _, pid):
             cpu_before = cpu_s(pid)
