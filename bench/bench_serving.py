@@ -89,6 +89,21 @@ Tried and not kept: at most 16 calls prepared at once (a semaphore from the read
 the engine request), so the engine gets the first calls of a burst sooner: x0.910
 (0.89-0.98), the engine then spending 0.34 ms more CPU a call on requests that arrive one
 by one instead of in a burst it reads together.
+``--store-dir`` puts the run's captures (and Redis data) on a chosen disk. On this machine
+kind's disk (ext4 without a journal) creating a file costs 0.5-0.8 ms of kernel CPU (perf:
+``recently_deleted`` under ``find_inode_bit``: without a journal, ext4 checks and skips each
+inode freed in the last seconds to minutes), against 19 us on a journaled ext4 (a loop mount on the same disk) and 7
+us on tmpfs; a file store creates one log per rollout in its first call. 1,000 loops, 2
+turns, 3 rounds each on one day (0a35303): file store, one worker, x0.932 (0.91-0.96) at
+1.32 ms a call on that disk, x0.926 (0.91-0.94) at 1.01 ms on the journaled one, x0.949
+(0.91-0.97) at 0.86 ms on tmpfs; two workers x0.949 (0.93-0.95) on that disk, x0.951
+(0.94-0.95) journaled, Redis x0.956 (0.93-0.96). On a slower spell of the same day (the
+front end 1.3-1.9 ms a call), 5 rounds each: file x0.915 and x0.912 (one and two workers)
+on that disk, x0.902 and x0.924 journaled, Redis x0.952 and x0.951, single rounds from
+x0.81 to x1.03. Tried and not kept: engine connections made by the loop's own connect
+instead of aiohappyeyeballs' (whose ``sock_connect`` asks libuv's thread pool to resolve
+the numeric address, one thread hop a connection), x0.936 against x0.944 and x0.950 in
+alternating runs, inside the noise.
 """
 
 from __future__ import annotations
@@ -546,11 +561,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the front end on core 1 alone, the loops' client and the engines on core 0",
     )
+    parser.add_argument(
+        "--store-dir",
+        help="where the run's captures and Redis data go (default: the temp directory); a"
+        " file store pays its disk's cost of a new log, so measure on the disk you deploy on",
+    )
     args = parser.parse_args(argv)
     if args.pin:  # the engines start from this process, so they inherit its core
         os.sched_setaffinity(0, {0})
         FRONT_END_PREFIX[:] = ["taskset", "-c", str(FRONT_END_CORE)]
-    with tempfile.TemporaryDirectory(prefix="tokcap-bench-serving-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tokcap-bench-serving-", dir=args.store_dir) as tmp:
         if not args.skip_load:
             for store in args.stores:
                 for workers in args.workers:
