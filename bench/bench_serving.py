@@ -89,13 +89,14 @@ Tried and not kept: at most 16 calls prepared at once (a semaphore from the read
 the engine request), so the engine gets the first calls of a burst sooner: x0.910
 (0.89-0.98), the engine then spending 0.34 ms more CPU a call on requests that arrive one
 by one instead of in a burst it reads together.
-``--store-dir`` puts the run's captures (and Redis data) on a chosen disk. On this machine
-kind's disk (ext4 without a journal) creating a file costs 0.5-0.8 ms of kernel CPU (perf:
-``recently_deleted`` under ``find_inode_bit``: without a journal, ext4 checks and skips each
-inode freed in the last seconds to minutes), against 19 us on a journaled ext4 (a loop mount on the same disk) and 7
-us on tmpfs; a file store creates one log per rollout in its first call. 1,000 loops, 2
-turns, 3 rounds each on one day (0a35303): file store, one worker, x0.932 (0.91-0.96) at
-1.32 ms a call on that disk, x0.926 (0.91-0.94) at 1.01 ms on the journaled one, x0.949
+``--store-dir`` puts the run's captures (and Redis data) on a chosen disk. The new-file cost
+above, measured again on another machine of this kind: 0.5-0.8 ms of kernel CPU a file
+(perf: ``recently_deleted`` under ``find_inode_bit``; without a journal, ext4 checks and
+skips each inode freed in the last 60 s, 360 s while its table block is dirty), against 19 us
+on a journaled ext4 (a loop mount on the same disk) and 7 us on tmpfs; a file store creates
+one log per rollout in its first call. 1,000 loops, 2 turns, 3 rounds each on one day
+(0a35303): file store, one worker, x0.875 (0.87-0.95) and x0.932 (0.91-0.96) in two runs at
+1.32-1.34 ms a call on that disk, x0.926 (0.91-0.94) at 1.01 ms on the journaled one, x0.949
 (0.91-0.97) at 0.86 ms on tmpfs; two workers x0.949 (0.93-0.95) on that disk, x0.951
 (0.94-0.95) journaled, Redis x0.956 (0.93-0.96). On a slower spell of the same day (the
 front end 1.3-1.9 ms a call), 5 rounds each: file x0.915 and x0.912 (one and two workers)

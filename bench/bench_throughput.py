@@ -38,12 +38,12 @@ measured 6% slower than its own copy. Against 2b77289, 4 rounds, on a day this m
 half as fast: at 300 tokens and 200 loops captured 2.063 ms (491/s) -> 1.856 ms (543/s),
 untagged 0.973 -> 0.824 ms; at 16k tokens and 200 loops 2.900 ms (351/s) -> 2.706 ms
 (374/s). The same tree against itself: 1.698 and 1.719 ms.
-At 210 tokens and 32 loops (b10fe3c, in one run): captured 0.935 ms (1,080/s), untagged 0.405
-ms (2,487/s); in another run at 0.90 ms a captured call, 0.62 ms of it on the event loop and
-0.31 ms on the file store's threads (``schedstat`` per thread). Tried in alternating pairs, fsync off on both sides: the
-store's writes run on the event loop instead of the writer thread, 0.859 and 0.799 ms
-against 0.885 and 0.797, so the hand-offs cost nothing measurable; fsync on, 0.948 and
-0.898 ms.
+At 210 tokens and 32 loops (b10fe3c, in one run): captured 0.935 ms (1,080/s), untagged
+0.405 ms (2,487/s); in another run at 0.90 ms a captured call, 0.62 ms of it on the event
+loop and 0.31 ms on the file store's threads (``schedstat`` per thread). Tried in
+alternating pairs, fsync off on both sides: the store's writes run on the event loop
+instead of the writer thread, 0.859 and 0.799 ms against 0.885 and 0.797, so the hand-offs
+cost nothing measurable; fsync on, 0.948 and 0.898 ms.
 """
 
 from __future__ import annotations
