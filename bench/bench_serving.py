@@ -13,6 +13,8 @@ the ratio to direct in the same run, the most calls the engine had in flight at 
 ``GET /tokcap/pace``), errors, and how many rollouts, rebuilt from the store, deliver
 exactly the ids the engine logged for every answered call. ``--untagged`` adds the same
 loops through one worker off the capture path: what serving alone costs beside capturing.
+Its medians give the hop's own ratio to direct and the captured loops' ratio to the
+untagged ones of the same round (run after them in even rounds, before them in odd ones).
 
 Then the first streamed delta: ``--stream-calls`` streamed chat calls one after another, on
 an engine with a time to the first token and a time per token, direct and relayed through
@@ -105,6 +107,14 @@ x0.81 to x1.03. Tried and not kept: engine connections made by the loop's own co
 instead of aiohappyeyeballs' (whose ``sock_connect`` asks libuv's thread pool to resolve
 the numeric address, one thread hop a connection), x0.936 against x0.944 and x0.950 in
 alternating runs, inside the noise.
+Captured against untagged (7ca0d58, 1,000 loops, 2 turns, one worker, 5 rounds each, every
+rollout exact), on shared cores: file store x0.930 (0.91-0.97) with the hop alone x0.943
+(0.91-1.01), captured against untagged x0.986 (0.95-1.02); Redis x0.943 (0.90-1.06), hop
+x0.948 (0.93-0.99), x1.002 (0.97-1.08). An earlier run that day, untagged always last:
+file x0.920, hop x0.902, x1.011; Redis x0.906, hop x0.909, x0.988. Capturing adds 0.4-0.6
+ms of front-end CPU a call (1.1-1.5 against 0.6-1.0 ms untagged) and no measurable time
+to the loops; on two shared cores the hop itself is what stays below x0.95. Pinned
+(``--pin``): file x1.018 (0.95-1.10), Redis x0.965 (0.94-0.98), the hop x1.00 and x1.02.
 """
 
 from __future__ import annotations
@@ -402,12 +412,16 @@ def tokcap_round(
 
 def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, workers: int) -> None:
     """``--repeat`` rounds, each direct (and ``--direct-ids``) then through tokcap on fresh
-    engines; each round's line, then the medians."""
+    engines; each round's line, then the medians. ``--untagged`` runs after the captured
+    loops in even rounds and before them in odd ones, so neither gains from its place."""
     calls, rounds = loops * args.turns, []
-    for _ in range(args.repeat):
+    plain: list[Round] = []  # ``--untagged``: each round's loops off the capture path
+    for index in range(args.repeat):
         direct = direct_round(args, tmp, loops)
         with_ids = direct_round(args, tmp, loops, CHAT_PARAMS) if args.direct_ids else None
         profile = tmp / f"serve-{time.monotonic_ns()}.prof" if args.profile else None
+        if args.untagged and index % 2:
+            plain.append(untagged(args, tmp, loops, store, direct.seconds))
         through = tokcap_round(args, tmp, loops, store, workers, profile)
         rounds.append((direct, with_ids, through))
         ids_part = (
@@ -431,15 +445,17 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
             print(f"    {count} x {error}", flush=True)
         if profile is not None:  # the server has exited, so the profile is written
             print("\n".join(summary(profile, calls)), flush=True)
-        if args.untagged:
-            untagged(args, tmp, loops, store, direct.seconds)
+        if args.untagged and not index % 2:
+            plain.append(untagged(args, tmp, loops, store, direct.seconds))
     if len(rounds) > 1:
-        print(medians(rounds, f"{store:5} x{workers} {loops:5} loops"), flush=True)
+        print(medians(rounds, f"{store:5} x{workers} {loops:5} loops", plain), flush=True)
 
 
-def medians(rounds: list[tuple[Round, Round | None, Round]], label: str) -> str:
+def medians(rounds: list[tuple[Round, Round | None, Round]], label: str, plain: list[Round]) -> str:
     """The median of each round's ratios, with their range: the figure to quote on a noisy
-    machine, where one round moves by a few hundredths."""
+    machine, where one round moves by a few hundredths. With ``plain`` (the rounds' loops
+    off the capture path) also the hop's own ratio, and capturing's: captured against
+    untagged in the same round, so the part of the gap that is the hop shows apart."""
 
     def ratio(values: list[float]) -> str:
         return f"x{statistics.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
@@ -449,6 +465,12 @@ def medians(rounds: list[tuple[Round, Round | None, Round]], label: str) -> str:
     if all(ids is not None for _, ids, _ in rounds):
         with_ids = ratio([ids.seconds / t.seconds for _, ids, t in rounds if ids is not None])
         line += f", against direct asking ids {with_ids}"
+    if len(plain) == len(rounds):
+        hop = ratio([d.seconds / p.seconds for (d, _, _), p in zip(rounds, plain, strict=True)])
+        capturing = ratio(
+            [p.seconds / t.seconds for (_, _, t), p in zip(rounds, plain, strict=True)]
+        )
+        line += f", untagged {hop}, captured against untagged {capturing}"
     engine_ms = statistics.median(t.engine_ms - d.engine_ms for d, _, t in rounds)
     front_ms = statistics.median(t.front_ms for _, _, t in rounds)
     return (
@@ -457,7 +479,7 @@ def medians(rounds: list[tuple[Round, Round | None, Round]], label: str) -> str:
     )
 
 
-def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float) -> None:
+def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float) -> Round:
     """The same loops through the front end off the capture path (no rollout in the URL):
     what serving alone costs, so the captured figure tells serving from capturing."""
     calls, pad = loops * args.turns, context_pad(args)
@@ -475,6 +497,7 @@ def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct
         f"{cpu_ms:.2f} ms a call",
         flush=True,
     )
+    return Round(plain_s, 0.0, 0, front_ms=cpu_ms)
 
 
 async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
