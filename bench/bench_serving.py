@@ -415,7 +415,7 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
     engines; each round's line, then the medians. ``--untagged`` runs after the captured
     loops in even rounds and before them in odd ones, so neither gains from its place."""
     calls, rounds = loops * args.turns, []
-    plain: list[Round] = []  # ``--untagged``: each round's loops off the capture path
+    plain: list[float] = []  # ``--untagged``: each round's seconds off the capture path
     for index in range(args.repeat):
         direct = direct_round(args, tmp, loops)
         with_ids = direct_round(args, tmp, loops, CHAT_PARAMS) if args.direct_ids else None
@@ -451,7 +451,7 @@ def scenario(args: argparse.Namespace, tmp: Path, loops: int, store: str, worker
         print(medians(rounds, f"{store:5} x{workers} {loops:5} loops", plain), flush=True)
 
 
-def medians(rounds: list[tuple[Round, Round | None, Round]], label: str, plain: list[Round]) -> str:
+def medians(rounds: list[tuple[Round, Round | None, Round]], label: str, plain: list[float]) -> str:
     """The median of each round's ratios, with their range: the figure to quote on a noisy
     machine, where one round moves by a few hundredths. With ``plain`` (the rounds' loops
     off the capture path) also the hop's own ratio, and capturing's: captured against
@@ -466,10 +466,8 @@ def medians(rounds: list[tuple[Round, Round | None, Round]], label: str, plain: 
         with_ids = ratio([ids.seconds / t.seconds for _, ids, t in rounds if ids is not None])
         line += f", against direct asking ids {with_ids}"
     if len(plain) == len(rounds):
-        hop = ratio([d.seconds / p.seconds for (d, _, _), p in zip(rounds, plain, strict=True)])
-        capturing = ratio(
-            [p.seconds / t.seconds for (_, _, t), p in zip(rounds, plain, strict=True)]
-        )
+        hop = ratio([d.seconds / p for (d, _, _), p in zip(rounds, plain, strict=True)])
+        capturing = ratio([p / t.seconds for (_, _, t), p in zip(rounds, plain, strict=True)])
         line += f", untagged {hop}, captured against untagged {capturing}"
     engine_ms = statistics.median(t.engine_ms - d.engine_ms for d, _, t in rounds)
     front_ms = statistics.median(t.front_ms for _, _, t in rounds)
@@ -479,9 +477,10 @@ def medians(rounds: list[tuple[Round, Round | None, Round]], label: str, plain: 
     )
 
 
-def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float) -> Round:
+def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct_s: float) -> float:
     """The same loops through the front end off the capture path (no rollout in the URL):
-    what serving alone costs, so the captured figure tells serving from capturing."""
+    what serving alone costs, so the captured figure tells serving from capturing; its
+    wall seconds."""
     calls, pad = loops * args.turns, context_pad(args)
     with engine(tmp, args.call_s) as (engine_url, _, _):
         with front_end(tmp, engine_url, store, 1) as (front, _, pid):
@@ -497,7 +496,7 @@ def untagged(args: argparse.Namespace, tmp: Path, loops: int, store: str, direct
         f"{cpu_ms:.2f} ms a call",
         flush=True,
     )
-    return Round(plain_s, 0.0, 0, front_ms=cpu_ms)
+    return plain_s
 
 
 async def first_deltas(url: str, calls: int) -> tuple[list[float], list[float]]:
